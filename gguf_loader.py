@@ -1,0 +1,242 @@
+"""Native GGUF loading: llama-architecture GGUF files onto mlx-lm's llama model.
+
+MLX reads GGUF itself (``mx.load``); Q4_0, Q4_1 and Q8_0 tensors arrive in MLX's
+quantized layout, so the weights are used as they are, without dequantizing.
+The tokenizer is rebuilt from the GGUF metadata with the ``tokenizers`` library
+and handed to mlx-lm's own tokenizer loader, so streaming detokenization and
+marker detection work as for any MLX folder.
+"""
+
+import json
+import logging
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mlx_lm.utils import _get_classes
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import processors
+
+logger = logging.getLogger(__name__)
+
+# GGUF block size for Q4_0, Q4_1 and Q8_0.
+GGUF_GROUP_SIZE = 32
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class GGUFError(ValueError):
+    """The GGUF file is not one this loader supports."""
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def translate_name(name: str) -> str:
+    """Map a GGUF tensor name (``blk.3.attn_q.scales``) to mlx-lm's llama names."""
+    base, suffix = name.rsplit(".", 1)
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match:
+        layer, part = match.groups()
+        if part not in _LAYER_NAMES:
+            raise GGUFError(f"unsupported GGUF tensor {name!r}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    if base not in _TOP_NAMES:
+        raise GGUFError(f"unsupported GGUF tensor {name!r}")
+    return f"{_TOP_NAMES[base]}.{suffix}"
+
+
+def make_config(metadata: dict, weights: dict) -> dict:
+    """An mlx-lm llama config from GGUF metadata."""
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(
+            f"GGUF architecture {arch!r} is not supported (only 'llama' is)"
+        )
+
+    def meta(key, default=None):
+        value = metadata.get(f"llama.{key}", default)
+        if value is None:
+            raise GGUFError(f"GGUF metadata 'llama.{key}' is missing")
+        return _scalar(value)
+
+    heads = meta("attention.head_count")
+    hidden = meta("embedding_length")
+    vocab = metadata.get("llama.vocab_size")
+    if vocab is None:
+        vocab = len(metadata["tokenizer.ggml.tokens"])
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": meta("block_count"),
+        "intermediate_size": meta("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "head_dim": meta("rope.dimension_count", hidden // heads),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length", 4096),
+        "vocab_size": _scalar(vocab),
+        # GGUF permutes q/k for interleaved RoPE.
+        "rope_traditional": True,
+        "tie_word_embeddings": "output.weight" not in weights,
+    }
+
+
+def _quantization_of(weights: dict, path: str) -> dict | None:
+    scales = weights.get(f"{path}.scales")
+    if scales is None:
+        return None
+    packed = weights[f"{path}.weight"]
+    in_features = scales.shape[-1] * GGUF_GROUP_SIZE
+    bits = packed.shape[-1] * 32 // in_features
+    return {"group_size": GGUF_GROUP_SIZE, "bits": bits}
+
+
+def make_model(config: dict, weights: dict) -> nn.Module:
+    """Build mlx-lm's model for ``config`` and load GGUF ``weights`` into it."""
+    weights = {translate_name(k): v for k, v in weights.items()}
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    nn.quantize(
+        model,
+        class_predicate=lambda path, module: (
+            hasattr(module, "to_quantized") and _quantization_of(weights, path)
+        )
+        or False,
+    )
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def _make_pre_tokenizer(pre: str | None):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    if pre not in (None, "default", "gpt2"):
+        logger.warning(
+            "GGUF pre-tokenizer %r is approximated by GPT-2 byte-level splitting", pre
+        )
+    return byte_level
+
+
+def make_hf_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
+    """A byte-level BPE ``tokenizers.Tokenizer`` and its tokenizer_config."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
+        )
+    tokens = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    token_types = token_types.tolist() if token_types is not None else []
+
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tokenizer.pre_tokenizer = _make_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _USER_DEFINED
+        ]
+    )
+
+    def token(key):
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        return None if value is None else tokens[_scalar(value)]
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(_scalar(metadata.get("tokenizer.ggml.add_bos_token", 0))),
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": _scalar(metadata.get("llama.context_length", 4096)),
+    }
+    template = metadata.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return tokenizer, {k: v for k, v in config.items() if v is not None}
+
+
+def save_tokenizer(metadata: dict, folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json for the GGUF tokenizer."""
+    tokenizer, config = make_hf_tokenizer(metadata)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
+    """Load a llama-architecture GGUF file.
+
+    Args:
+        path: The ``.gguf`` file.
+
+    Returns:
+        The mlx-lm model, its ``TokenizerWrapper`` and the model config.
+    """
+    weights, metadata = mx.load(str(path), return_metadata=True)
+    config = make_config(metadata, weights)
+    model = make_model(config, weights)
+    eos = _scalar(metadata.get("tokenizer.ggml.eos_token_id"))
+    with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as folder:
+        save_tokenizer(metadata, Path(folder))
+        tokenizer = load_tokenizer(
+            Path(folder), eos_token_ids=[eos] if eos is not None else None
+        )
+    logger.info(
+        "loaded GGUF %s: %d layers, hidden %d, vocab %d",
+        path,
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["vocab_size"],
+    )
+    return model, tokenizer, config

