@@ -408,7 +408,7 @@ async def serve(address: str, model: str | None, grace: float = 5.0) -> None:
     )
     await server.start()
     host = address.rsplit(":", 1)[0]
-    logger.info("listening on %s:%d", host, port)
+    logger.info("listening on %s:%d (pid %d)", host, port, os.getpid())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -240,3 +240,35 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
         config["vocab_size"],
     )
     return model, tokenizer, config
+
+
+def export_mlx_folder(path: str | Path, folder: str | Path) -> Path:
+    """Write a GGUF model as an MLX-format folder that ``mlx_lm.load`` reads.
+
+    Args:
+        path: The ``.gguf`` file.
+        folder: The output folder; created if missing.
+
+    Returns:
+        The output folder.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights, metadata = mx.load(str(path), return_metadata=True)
+    config = make_config(metadata, weights)
+    weights = {translate_name(k): v for k, v in weights.items()}
+    quantization = {}
+    for name in weights:
+        if name.endswith(".scales"):
+            module = name[: -len(".scales")]
+            quantization[module] = _quantization_of(weights, module)
+    if quantization:
+        first = next(iter(quantization.values()))
+        config["quantization"] = {**first, **quantization}
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        config["eos_token_id"] = _scalar(eos)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_tokenizer(metadata, folder)
+    return folder

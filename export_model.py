@@ -1,0 +1,28 @@
+#!/usr/bin/env python3
+"""Export a GGUF model as an MLX-format folder (for mlx_lm.load or mlx_lm.server).
+
+Usage: python export_model.py [MODEL.gguf | default] OUTPUT_FOLDER
+"""
+
+import argparse
+import logging
+
+from gguf_loader import export_mlx_folder
+from mlx_utils import default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("gguf", help="a .gguf file, or 'default' for the embedded model")
+    parser.add_argument("output", help="the MLX folder to write")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    source = default_model_path() if args.gguf == "default" else args.gguf
+    folder = export_mlx_folder(source, args.output)
+    logger.info("exported %s to %s", source, folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+"""End-to-end tests: a real backend process, a real port, the real default model."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+import backend_pb2 as pb
+import backend_pb2_grpc
+from mlx_utils import default_model_path
+
+HERE = Path(__file__).resolve().parent
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."
+ANSWER_TOKENS = 7
+PROMPT_TOKENS = 37
+STARTUP_TIMEOUT = 120.0
+
+
+class Server:
+    """A backend process started with ``backend.py --addr 127.0.0.1:0``."""
+
+    def __init__(self, *args: str, env: dict | None = None, launcher: list | None = None):
+        self.log = tempfile.NamedTemporaryFile(
+            prefix="backend-", suffix=".log", delete=False
+        )
+        command = [sys.executable, str(HERE / "backend.py"), "--addr", "127.0.0.1:0"]
+        self.process = subprocess.Popen(
+            (launcher or []) + command + list(args),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=HERE,
+        )
+        self.port = self._wait_for_port()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = backend_pb2_grpc.BackendStub(self.channel)
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def _wait_for_port(self) -> int:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.logs())
+            if match:
+                return int(match.group(1))
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"backend did not start:\n{self.logs()}")
+
+    def wait_for(self, state, metadata=None, timeout=STARTUP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.stub.Status(pb.HealthMessage(), metadata=metadata)
+            if status.state == state:
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"state {state} not reached:\n{self.logs()}")
+
+    def stop(self):
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        os.unlink(self.log.name)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--model", "default")
+    srv.wait_for(pb.StatusResponse.READY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def bare_server():
+    """No model loaded and bearer auth on."""
+    srv = Server(env={"LOCALAI_GRPC_AUTH_TOKEN": "s3cret"})
+    yield srv
+    srv.stop()
+
+
+AUTH = (("authorization", "Bearer s3cret"),)
+
+
+def chat(text=QUESTION, **fields):
+    return pb.PredictOptions(
+        UseTokenizerTemplate=True,
+        Messages=[pb.Message(role="user", content=text)],
+        **fields,
+    )
+
+
+def stream_texts(stub, request, **kwargs):
+    replies = list(stub.PredictStream(request, **kwargs))
+    return [r.message.decode() for r in replies], replies[-1]
+
+
+def error_of(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, **kwargs)
+        if not hasattr(result, "SerializeToString"):
+            list(result)
+    return info.value
+
+
+# -- generation ---------------------------------------------------------------
+
+
+def test_health(server):
+    assert server.stub.Health(pb.HealthMessage()).message == b"OK"
+
+
+def test_predict_greedy_answer(server):
+    reply = server.stub.Predict(chat(Tokens=40))
+    assert reply.message.decode() == ANSWER
+    assert reply.tokens == ANSWER_TOKENS
+    assert reply.prompt_tokens == PROMPT_TOKENS
+    assert reply.timing_prompt_processing > 0
+    assert reply.timing_token_generation > 0
+
+
+def test_stream_equals_predict(server):
+    texts, final = stream_texts(server.stub, chat(Tokens=40))
+    assert texts == ["The", " capital", " of", " France", " is", " Paris", ".", ""]
+    assert "".join(texts) == server.stub.Predict(chat(Tokens=40)).message.decode()
+    assert final.tokens == ANSWER_TOKENS
+    assert final.prompt_tokens == PROMPT_TOKENS
+
+
+def test_max_tokens(server):
+    reply = server.stub.Predict(chat(Tokens=3))
+    assert reply.message.decode() == "The capital of"
+    assert reply.tokens == 3
+
+
+def test_raw_prompt_is_used_as_given(server):
+    prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    reply = server.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=40))
+    assert reply.prompt_tokens == len(server.stub.TokenizeString(pb.PredictOptions(Prompt=prompt)).tokens)
+    assert reply.message.decode() == ANSWER
+
+
+def test_template_gets_tools_and_decoded_tool_calls(server):
+    request = pb.PredictOptions(
+        UseTokenizerTemplate=True,
+        Messages=[
+            pb.Message(role="user", content="Weather in Paris?"),
+            pb.Message(
+                role="assistant",
+                content="",
+                tool_calls=json.dumps(
+                    [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ]
+                ),
+            ),
+            pb.Message(role="tool", content="sunny", tool_call_id="call_1"),
+        ],
+        Tools=json.dumps([{"type": "function", "function": {"name": "weather"}}]),
+        Metadata={"enable_thinking": "false", "chat_template_kwargs": "{}"},
+        Tokens=5,
+    )
+    reply = server.stub.Predict(request)
+    assert reply.tokens == 5
+
+
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (["Par"], "The capital of France is "),  # inside one token
+        (["France is"], "The capital of "),  # across tokens
+        (["zzz", "of F"], "The capital "),  # any of several
+        (["."], "The capital of France is Paris"),
+    ],
+)
+def test_stop_strings(server, stop, expected):
+    reply = server.stub.Predict(chat(Tokens=40, StopPrompts=stop))
+    assert reply.message.decode() == expected
+    texts, _ = stream_texts(server.stub, chat(Tokens=40, StopPrompts=stop))
+    assert "".join(texts) == expected
+    assert not any(s in t for s in stop for t in texts)
+
+
+def test_ignore_eos_runs_to_max_tokens(server):
+    reply = server.stub.Predict(chat(Tokens=12, IgnoreEOS=True))
+    assert reply.tokens == 12
+    assert reply.message.decode().startswith(ANSWER)
+
+
+def test_seeded_sampling_is_deterministic_even_when_concurrent(server):
+    def sample(seed, out=None):
+        text = server.stub.Predict(
+            chat("Write a short poem about the sea.", Temperature=1.0, Seed=seed, Tokens=24)
+        ).message.decode()
+        if out is not None:
+            out.append(text)
+        return text
+
+    alone = sample(1234)
+    # The same seed while other seeded requests run at the same time.
+    results: list[str] = []
+    threads = [threading.Thread(target=sample, args=(s, results)) for s in (1234, 99, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert alone in results
+    assert sample(1234) == alone
+    assert len({alone, sample(99), sample(7)}) > 1
+
+
+def test_concurrent_greedy_requests_get_the_same_answer(server):
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(server.stub.Predict(chat(Tokens=40))))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.message.decode() for r in results] == [ANSWER] * 3
+
+
+def test_penalties_and_filters_are_accepted(server):
+    reply = server.stub.Predict(
+        chat(Tokens=10, Temperature=0.7, TopP=0.9, TopK=40, MinP=0.05, Penalty=1.1,
+             FrequencyPenalty=0.2, PresencePenalty=0.2, Seed=5, LogitBias='{"1": -5}')
+    )
+    assert 0 < reply.tokens <= 10
+
+
+def test_logit_bias_forces_a_token(server):
+    token = server.stub.TokenizeString(pb.PredictOptions(Prompt=" banana")).tokens
+    assert len(token) == 1
+    reply = server.stub.Predict(chat(Tokens=3, LogitBias=json.dumps({str(token[0]): 100})))
+    # mlx-lm's BPE detokenizer drops the leading space of the first token.
+    assert reply.message.decode() == "banana banana banana"
+
+
+# -- other RPCs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text", ["Hello world", "  ünïcödé 日本語 🙂\n\ttabs", "<|im_start|>user\nhi<|im_end|>", "12345.678"]
+)
+def test_tokenize_detokenize_round_trip(server, text):
+    tokens = server.stub.TokenizeString(pb.PredictOptions(Prompt=text))
+    assert tokens.length == len(tokens.tokens) > 0
+    back = server.stub.Detokenize(pb.DetokenizeRequest(tokens=tokens.tokens))
+    assert back.content == text
+
+
+def test_tokenize_chat_matches_prompt_tokens(server):
+    tokens = server.stub.TokenizeString(chat())
+    assert tokens.length == PROMPT_TOKENS
+
+
+def test_detokenize_out_of_vocabulary(server):
+    error = error_of(server.stub.Detokenize, pb.DetokenizeRequest(tokens=[1, 10**7]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tokens[1]" in error.details()
+
+
+def test_status_ready_with_memory(server):
+    status = server.stub.Status(pb.HealthMessage())
+    assert status.state == pb.StatusResponse.READY
+    assert status.memory.total > 50_000_000
+    assert set(status.memory.breakdown) == {"active", "cache", "peak"}
+
+
+@pytest.mark.parametrize("rpc, request_type", [
+    ("Embedding", pb.PredictOptions),
+    ("Score", pb.ScoreRequest),
+    ("GetMetrics", pb.MetricsRequest),
+    ("ModelMetadata", pb.ModelOptions),
+])
+def test_unimplemented_rpcs(server, rpc, request_type):
+    error = error_of(getattr(server.stub, rpc), request_type())
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert rpc in error.details()
+
+
+def test_health_and_status_answer_during_generation(server):
+    stream = server.stub.PredictStream(chat("Tell me a long story.", Tokens=200, IgnoreEOS=True))
+    next(stream)
+    latencies = []
+    for _ in range(10):
+        start = time.perf_counter()
+        server.stub.Health(pb.HealthMessage())
+        assert server.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.BUSY
+        latencies.append(time.perf_counter() - start)
+    stream.cancel()
+    # Generous: a blocked event loop would take a whole generation (seconds).
+    assert max(latencies) < 1.0
+    server.wait_for(pb.StatusResponse.READY, timeout=10)
+
+
+# -- cancellation ---------------------------------------------------------------
+
+
+def test_cancelled_stream_stops_and_next_request_is_served(server):
+    stream = server.stub.PredictStream(chat("Tell me a long story.", Tokens=0, IgnoreEOS=True))
+    for _ in range(3):
+        next(stream)
+    stream.cancel()
+    server.wait_for(pb.StatusResponse.READY, timeout=5)
+    start = time.perf_counter()
+    assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
+    assert time.perf_counter() - start < 30
+
+
+def test_deadline_stops_generation(server):
+    error = error_of(
+        server.stub.Predict, chat("Tell me a long story.", Tokens=0, IgnoreEOS=True), timeout=1.5
+    )
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    server.wait_for(pb.StatusResponse.READY, timeout=5)
+    assert "generation cancelled" in server.logs()
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, field_name",
+    [
+        ({"Tools": "[{not json"}, "Tools"),
+        ({"LogitBias": "{1: 2"}, "LogitBias"),
+        ({"LogitBias": '{"x": 1}'}, "LogitBias"),
+        ({"Metadata": {"chat_template_kwargs": "[1"}}, "Metadata.chat_template_kwargs"),
+        ({"Temperature": -1.0}, "Temperature"),
+        ({"TopP": 1.5}, "TopP"),
+    ],
+)
+def test_malformed_fields_are_invalid_argument(server, fields, field_name):
+    for call in (server.stub.Predict, server.stub.PredictStream):
+        error = error_of(call, chat(Tokens=5, **fields))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field_name in error.details()
+
+
+def test_malformed_message_tool_calls(server):
+    request = pb.PredictOptions(
+        UseTokenizerTemplate=True,
+        Messages=[pb.Message(role="user", content="hi"), pb.Message(role="assistant", tool_calls="{oops")],
+    )
+    error = error_of(server.stub.Predict, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Messages[1].tool_calls" in error.details()
+
+
+def test_empty_prompt(server):
+    error = error_of(server.stub.Predict, pb.PredictOptions(Prompt=""))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Prompt" in error.details()
+
+
+def test_context_size_identity_and_reload(server):
+    path = str(default_model_path())
+    result = server.stub.LoadModel(pb.ModelOptions(Model=path, ContextSize=40))
+    assert result.success, result.message
+    try:
+        # 37 prompt tokens leave room for 3.
+        reply = server.stub.Predict(chat(Tokens=0, IgnoreEOS=True))
+        assert reply.tokens == 3
+        assert reply.message.decode() == "The capital of"
+        error = error_of(server.stub.Predict, chat(QUESTION * 3))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "40" in error.details() and re.search(r"\b\d{2,3} tokens", error.details())
+
+        error = error_of(server.stub.Predict, chat(ModelIdentity="other-model"))
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert error.details().startswith("model identity mismatch:")
+        assert server.stub.Predict(chat(Tokens=2, ModelIdentity=path)).tokens == 2
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions(Model="default")).success
+
+
+def test_load_options_are_request_defaults(server):
+    options = ["max_tokens:4", "temperature:0", "unknown_option:1"]
+    assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
+    try:
+        assert server.stub.Predict(chat()).tokens == 4
+        assert server.stub.Predict(chat(Tokens=2)).tokens == 2
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+    bad = server.stub.LoadModel(pb.ModelOptions(Options=["max_tokens:lots"]))
+    assert not bad.success and "max_tokens" in bad.message
+    assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
+
+
+def test_internal_errors_map_to_internal():
+    import asyncio
+
+    from backend import _abort
+
+    class Context:
+        async def abort(self, code, details):
+            raise RuntimeError((code, details))
+
+    with pytest.raises(RuntimeError) as info:
+        asyncio.run(_abort(Context(), ZeroDivisionError("boom")))
+    assert info.value.args[0] == (grpc.StatusCode.INTERNAL, "ZeroDivisionError: boom")
+
+
+# -- auth, no model, load failures, free --------------------------------------------
+
+
+def test_auth_is_required(bare_server):
+    for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+        for call, request in (
+            (bare_server.stub.Health, pb.HealthMessage()),
+            (bare_server.stub.PredictStream, chat()),
+        ):
+            error = error_of(call, request, metadata=metadata)
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert bare_server.stub.Health(pb.HealthMessage(), metadata=AUTH).message == b"OK"
+
+
+def test_predict_before_load_model(bare_server):
+    assert bare_server.stub.Status(pb.HealthMessage(), metadata=AUTH).state == pb.StatusResponse.UNINITIALIZED
+    for call in (bare_server.stub.Predict, bare_server.stub.PredictStream, bare_server.stub.TokenizeString):
+        error = error_of(call, chat(), metadata=AUTH)
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_load_failure_names_what_was_tried(bare_server):
+    result = bare_server.stub.LoadModel(
+        pb.ModelOptions(Model="missing.gguf", ModelPath="/nonexistent/models", ModelFile="/nonexistent/models/missing.gguf"),
+        metadata=AUTH,
+    )
+    assert not result.success
+    assert "missing.gguf" in result.message and "/nonexistent/models/missing.gguf" in result.message
+    with tempfile.TemporaryDirectory() as folder:
+        broken = Path(folder) / "broken.gguf"
+        broken.write_bytes(b"not a gguf file")
+        result = bare_server.stub.LoadModel(pb.ModelOptions(Model=str(broken)), metadata=AUTH)
+        assert not result.success and "broken.gguf" in result.message
+    assert bare_server.stub.Health(pb.HealthMessage(), metadata=AUTH).message == b"OK"
+
+
+def test_load_folder_and_free_releases_memory(bare_server):
+    # An MLX-format folder: the exported GGUF model in mlx-lm's layout.
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run(
+            [sys.executable, str(HERE / "export_model.py"), str(default_model_path()), folder],
+            check=True,
+            cwd=HERE,
+        )
+        result = bare_server.stub.LoadModel(
+            pb.ModelOptions(Model=Path(folder).name, ModelPath=str(Path(folder).parent)),
+            metadata=AUTH,
+        )
+        assert result.success, result.message
+        assert folder in result.message
+    loaded = bare_server.wait_for(pb.StatusResponse.READY, metadata=AUTH)
+    reply = bare_server.stub.Predict(chat(Tokens=40), metadata=AUTH)
+    assert reply.message.decode() == ANSWER
+    assert bare_server.stub.Free(pb.HealthMessage(), metadata=AUTH).success
+    freed = bare_server.stub.Status(pb.HealthMessage(), metadata=AUTH)
+    assert freed.state == pb.StatusResponse.UNINITIALIZED
+    assert freed.memory.breakdown["active"] < loaded.memory.breakdown["active"] - 50_000_000
+    error = error_of(bare_server.stub.Predict, chat(), metadata=AUTH)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert bare_server.stub.LoadModel(pb.ModelOptions(), metadata=AUTH).success
+    assert bare_server.stub.Predict(chat(Tokens=40), metadata=AUTH).message.decode() == ANSWER
+
+
+# -- process conventions ----------------------------------------------------------
+
+
+def test_sigterm_shuts_down_gracefully():
+    srv = Server()
+    assert srv.stub.Health(pb.HealthMessage()).message == b"OK"
+    srv.process.send_signal(signal.SIGTERM)
+    assert srv.process.wait(30) == 0
+    assert "stopped" in srv.logs()
+    srv.stop()
+
+
+@pytest.mark.parametrize("watch", ["true", "off"])
+def test_parent_watch(watch):
+    # A shell parents the backend; once the shell is killed the backend is re-parented.
+    env = {"LOCALAI_BACKEND_PARENT_WATCH": watch, "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL": "200ms"}
+    srv = Server(env=env, launcher=["sh", "-c", '"$0" "$@" & wait'])
+    pid = int(re.search(r"\(pid (\d+)\)", srv.logs()).group(1))
+    try:
+        assert srv.stub.Health(pb.HealthMessage()).message == b"OK"
+        srv.process.kill()
+        srv.process.wait()
+        if watch == "true":
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "stopped" not in srv.logs():
+                time.sleep(0.1)
+            assert "is gone, shutting down" in srv.logs()
+            assert "stopped" in srv.logs()
+        else:
+            time.sleep(1.0)
+            assert srv.stub.Health(pb.HealthMessage()).message == b"OK"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        srv.stop()
+
+
+# -- grpcurl through reflection -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpcurl():
+    path = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    if not Path(path).exists():
+        pytest.fail("grpcurl is not installed (pip install -r requirements-test.txt)")
+    return path
+
+
+def test_grpcurl_lists_services_by_reflection(server, grpcurl):
+    out = subprocess.run(
+        [grpcurl, "-plaintext", f"127.0.0.1:{server.port}", "list"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.split()
+    assert {"backend.Backend", "grpc.health.v1.Health"} <= set(out)
+
+
+def test_grpcurl_streams_a_reply_by_reflection(server, grpcurl):
+    request = json.dumps({
+        "UseTokenizerTemplate": True,
+        "Messages": [{"role": "user", "content": QUESTION}],
+        "Tokens": 40,
+    })
+    out = subprocess.run(
+        [grpcurl, "-plaintext", "-d", request, f"127.0.0.1:{server.port}", "backend.Backend/PredictStream"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout
+    import base64
+
+    replies = [json.loads(chunk) for chunk in re.split(r"(?<=\})\s*(?=\{)", out.strip())]
+    text = "".join(base64.b64decode(r.get("message", "")).decode() for r in replies)
+    assert text == ANSWER
+    assert replies[-1]["tokens"] == ANSWER_TOKENS
