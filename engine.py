@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import math
 import queue
 import threading
 import time
@@ -128,6 +129,10 @@ class RequestStream:
                 return
 
 
+class _Cancelled(Exception):
+    """Raised from the prefill progress callback to stop a cancelled prompt."""
+
+
 class _Sequence:
     """One request's decoding state on the engine thread."""
 
@@ -136,7 +141,13 @@ class _Sequence:
         sampling = request.sampling
         self.request = request
         self.stream = stream
-        self.eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
+        logit_bias = sampling.logit_bias
+        if request.ignore_eos:
+            # As llama.cpp does: never sample EOS, rather than sampling past it.
+            self.eos = frozenset()
+            logit_bias = {**logit_bias, **{t: -math.inf for t in tokenizer.eos_token_ids}}
+        else:
+            self.eos = tokenizer.eos_token_ids
         self.detokenizer = tokenizer.detokenizer
         machine = TextStateMachine({"normal": [(s, None) for s in request.stop if s]})
         self.text_state = machine.make_state()
@@ -155,7 +166,7 @@ class _Sequence:
                 sampling.seed,
             ),
             logits_processors=make_processors(
-                sampling.logit_bias,
+                logit_bias,
                 sampling.repetition_penalty,
                 sampling.frequency_penalty,
                 sampling.presence_penalty,
@@ -163,7 +174,13 @@ class _Sequence:
             ),
             prefill_step_size=options.prefill_step_size,
             max_kv_size=options.max_kv_size,
+            prompt_progress_callback=self._check_cancelled,
         )
+
+    def _check_cancelled(self, processed: int, total: int) -> None:
+        # Called between prefill chunks, so a long prompt stops within one chunk.
+        if self.stream.cancelled:
+            raise _Cancelled()
 
     def advance(self) -> bool:
         """Generate one token and emit its text; True when the sequence is done."""
@@ -228,6 +245,7 @@ class Engine:
         self._generation = 0
         self._steps = 0
         self._state = "uninitialized"
+        self._closed = False
         self.info: ModelInfo | None = None
         self.stats = EngineStats("uninitialized", 0, {})
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
@@ -236,15 +254,21 @@ class Engine:
     # -- any thread ---------------------------------------------------------
 
     def submit(self, request: GenerationRequest, loop) -> RequestStream:
+        self._check_open()
         stream = RequestStream(loop)
         self._inbox.put((request, stream))
         return stream
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the engine thread between steps."""
+        self._check_open()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put((fn, args, future))
         return future
+
+    def _check_open(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise Aborted("the backend is shutting down")
 
     def load(self, name: str, options: LoadOptions, context_size: int, **kwargs):
         return self.call(self._load, name, options, context_size, kwargs)
@@ -253,16 +277,40 @@ class Engine:
         return self.call(self._free)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._closed = True
         self._inbox.put(None)
         self._thread.join(timeout)
 
     # -- engine thread ------------------------------------------------------
 
     def _run(self) -> None:
-        while self._schedule():
-            if self._active:
-                self._step()
+        running = True
+        while running:
+            try:
+                running = self._schedule()
+                if running and self._active:
+                    self._step()
+            except Exception:
+                # Never let the thread die: every waiting handler would hang.
+                logger.exception("engine loop failed")
+                self._abort_all("the generation engine failed")
+        self._closed = True
         self._abort_all("the backend is shutting down")
+        self._drain_inbox()
+
+    def _drain_inbox(self) -> None:
+        """Answer whatever was queued behind the stop request."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            if len(item) == 2:
+                item[1].put(Aborted("the backend is shutting down"))
+            else:
+                item[2].set_exception(Aborted("the backend is shutting down"))
 
     def _schedule(self) -> bool:
         """Admit new work; block while idle. False when asked to stop."""
@@ -312,9 +360,13 @@ class Engine:
                 continue
             try:
                 done = seq.advance()
+            except _Cancelled:
+                logger.info("generation cancelled during prefill")
+                done = True
             except Exception as e:
                 logger.exception("generation failed")
-                seq.stream.put(e)
+                # Without its traceback the error holds no MLX arrays on the loop thread.
+                seq.stream.put(e.with_traceback(None))
                 done = True
             if done:
                 self._retire(seq)
@@ -353,23 +405,23 @@ class Engine:
         self._publish()
         try:
             loaded = load_model(name, trust_remote_code=options.trust_remote_code, **kwargs)
+            config_limit = loaded.config.get("max_position_embeddings") or 4096
+            info = ModelInfo(
+                name=name,
+                source=loaded.source,
+                tokenizer=loaded.tokenizer,
+                context_size=context_size or config_limit,
+                vocab_size=loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab),
+                options=options,
+                generation=self._generation + 1,
+            )
         except Exception:
             self._state = "error"
             raise
-        config_limit = loaded.config.get("max_position_embeddings") or 4096
-        self._loaded = loaded
-        self._generation += 1
-        self.info = ModelInfo(
-            name=name,
-            source=loaded.source,
-            tokenizer=loaded.tokenizer,
-            context_size=context_size or config_limit,
-            vocab_size=loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab),
-            options=options,
-            generation=self._generation,
-        )
+        self._loaded, self.info = loaded, info
+        self._generation = info.generation
         self._state = "ready"
-        return self.info
+        return info
 
     def _free(self) -> None:
         self._unload()

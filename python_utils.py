@@ -96,9 +96,12 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         except ValueError as e:
             raise InvalidArgument(f"Options: {key}: {e}") from None
     parsed = LoadOptions(**values)
-    for name in ("prefill_step_size", "repetition_context_size"):
-        if getattr(parsed, name) < 1:
+    for name in ("prefill_step_size", "repetition_context_size", "max_kv_size"):
+        value = getattr(parsed, name)
+        if value is not None and value < 1:
             raise InvalidArgument(f"Options: {name} must be at least 1")
+    if parsed.max_tokens is not None and parsed.max_tokens < 0:
+        raise InvalidArgument("Options: max_tokens must not be negative")
     return parsed
 
 

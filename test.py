@@ -203,9 +203,12 @@ def test_stop_strings(server, stop, expected):
 
 
 def test_ignore_eos_runs_to_max_tokens(server):
-    reply = server.stub.Predict(chat(Tokens=12, IgnoreEOS=True))
-    assert reply.tokens == 12
-    assert reply.message.decode().startswith(ANSWER)
+    reply = server.stub.Predict(chat(Tokens=30, IgnoreEOS=True))
+    assert reply.tokens == 30
+    text = reply.message.decode()
+    assert text.startswith(ANSWER)
+    # EOS is never sampled, so no end-of-turn markup follows the answer.
+    assert "<|im_end|>" not in text
 
 
 def test_seeded_sampling_is_deterministic_even_when_concurrent(server):
@@ -338,6 +341,17 @@ def test_deadline_stops_generation(server):
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_for(pb.StatusResponse.READY, timeout=5)
     assert "generation cancelled" in server.logs()
+
+
+def test_cancel_during_prefill(server):
+    assert server.stub.LoadModel(pb.ModelOptions(Options=["prefill_step_size:8"])).success
+    try:
+        error = error_of(server.stub.Predict, chat("word " * 300, Tokens=5), timeout=2.0)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        server.wait_for(pb.StatusResponse.READY, timeout=10)
+        assert "generation cancelled during prefill" in server.logs()
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
 
 
 # -- errors ------------------------------------------------------------------------

@@ -45,6 +45,8 @@ def test_parse_options_ignores_unknown_keys():
         ("enable_thinking:maybe", "enable_thinking"),
         ("no-colon", "key:value"),
         ("prefill_step_size:0", "prefill_step_size"),
+        ("max_kv_size:0", "max_kv_size"),
+        ("max_tokens:-1", "max_tokens"),
     ],
 )
 def test_parse_options_rejects_bad_values(entry, message):
