@@ -126,9 +126,7 @@ def parse_sampling(request, info: ModelInfo) -> SamplingParams:
         top_k=_pick(request.TopK, opts.top_k, 0),
         min_p=_pick(request.MinP, opts.min_p, 0.0),
         repetition_penalty=_pick(request.Penalty, opts.repetition_penalty, 0.0),
-        frequency_penalty=_pick(
-            request.FrequencyPenalty, opts.frequency_penalty, 0.0
-        ),
+        frequency_penalty=_pick(request.FrequencyPenalty, opts.frequency_penalty, 0.0),
         presence_penalty=_pick(request.PresencePenalty, opts.presence_penalty, 0.0),
         repetition_context_size=opts.repetition_context_size,
         seed=request.Seed if request.Seed >= 0 else None,
@@ -143,7 +141,10 @@ def parse_prompt(request, info: ModelInfo) -> list[int]:
     if request.UseTokenizerTemplate and request.Messages:
         messages = convert_messages(request.Messages)
         args = parse_template_args(
-            tools, request.ToolChoice, dict(request.Metadata), info.options.enable_thinking
+            tools,
+            request.ToolChoice,
+            dict(request.Metadata),
+            info.options.enable_thinking,
         )
         return render_chat(info.tokenizer, messages, args)
     return encode_prompt(info.tokenizer, request.Prompt)

@@ -38,7 +38,14 @@ PROMPT = "Write a long story about a lighthouse keeper and a storm."
 def start_server(log_path: Path) -> tuple[subprocess.Popen, int]:
     log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "backend.py"), "--addr", "127.0.0.1:0", "--model", "default"],
+        [
+            sys.executable,
+            str(HERE / "backend.py"),
+            "--addr",
+            "127.0.0.1:0",
+            "--model",
+            "default",
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=HERE,
@@ -130,7 +137,9 @@ def health_latency(stub, tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=128, help="tokens decoded per run")
+    parser.add_argument(
+        "--tokens", type=int, default=128, help="tokens decoded per run"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
@@ -150,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
                 for i in range(args.rounds):
                     logger.info("round %d/%d", i + 1, args.rounds)
                     runs["grpc"].append(server_decode(stub, args.tokens, eos))
-                    runs["mlx_lm"].append(library_decode(model, tokenizer, args.tokens, eos))
+                    runs["mlx_lm"].append(
+                        library_decode(model, tokenizer, args.tokens, eos)
+                    )
                 health = health_latency(stub, args.tokens)
         finally:
             process.send_signal(signal.SIGTERM)
@@ -165,7 +176,12 @@ def main(argv: list[str] | None = None) -> None:
         for name, results in runs.items()
     }
     ratio = summary["grpc"]["decode_tps"] / summary["mlx_lm"]["decode_tps"]
-    report = {"runs": runs, "summary": summary, "grpc_over_mlx_lm": ratio, "health": health}
+    report = {
+        "runs": runs,
+        "summary": summary,
+        "grpc_over_mlx_lm": ratio,
+        "health": health,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -174,10 +190,15 @@ def main(argv: list[str] | None = None) -> None:
         f"decode, {args.tokens} tokens, median of {args.rounds} alternating rounds",
         f"{'path':<28}{'decode tok/s':>14}{'TTFT s':>10}",
     ]
-    for name, label in (("mlx_lm", "mlx-lm stream_generate"), ("grpc", "gRPC PredictStream")):
+    for name, label in (
+        ("mlx_lm", "mlx-lm stream_generate"),
+        ("grpc", "gRPC PredictStream"),
+    ):
         s = summary[name]
         lines.append(f"{label:<28}{s['decode_tps']:>14.2f}{s['ttft_s']:>10.3f}")
-    lines.append(f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)")
+    lines.append(
+        f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)"
+    )
     lines.append(
         f"Health during generation: p50 {health['p50_ms']:.2f} ms, p95 {health['p95_ms']:.2f} ms, "
         f"max {health['max_ms']:.2f} ms over {health['samples']} calls"

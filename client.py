@@ -15,7 +15,9 @@ import backend_pb2_grpc
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Stream a chat reply from the MLX backend")
+    parser = argparse.ArgumentParser(
+        description="Stream a chat reply from the MLX backend"
+    )
     parser.add_argument("prompt", nargs="+", help="the user message")
     parser.add_argument("--addr", default="127.0.0.1:50051")
     parser.add_argument("--system", default="", help="an optional system message")
@@ -24,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=-1, help="-1 for a random seed")
     args = parser.parse_args(argv)
 
-    messages = [backend_pb2.Message(role="system", content=args.system)] if args.system else []
+    messages = (
+        [backend_pb2.Message(role="system", content=args.system)] if args.system else []
+    )
     messages.append(backend_pb2.Message(role="user", content=" ".join(args.prompt)))
     request = backend_pb2.PredictOptions(
         UseTokenizerTemplate=True,

@@ -136,7 +136,9 @@ class _Cancelled(Exception):
 class _Sequence:
     """One request's decoding state on the engine thread."""
 
-    def __init__(self, request: GenerationRequest, stream: RequestStream, loaded, options):
+    def __init__(
+        self, request: GenerationRequest, stream: RequestStream, loaded, options
+    ):
         tokenizer = loaded.tokenizer
         sampling = request.sampling
         self.request = request
@@ -145,7 +147,10 @@ class _Sequence:
         if request.ignore_eos:
             # As llama.cpp does: never sample EOS, rather than sampling past it.
             self.eos = frozenset()
-            logit_bias = {**logit_bias, **{t: -math.inf for t in tokenizer.eos_token_ids}}
+            logit_bias = {
+                **logit_bias,
+                **{t: -math.inf for t in tokenizer.eos_token_ids},
+            }
         else:
             self.eos = tokenizer.eos_token_ids
         self.detokenizer = tokenizer.detokenizer
@@ -248,7 +253,9 @@ class Engine:
         self._closed = False
         self.info: ModelInfo | None = None
         self.stats = EngineStats("uninitialized", 0, {})
-        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="mlx-engine", daemon=True
+        )
         self._thread.start()
 
     # -- any thread ---------------------------------------------------------
@@ -404,14 +411,17 @@ class Engine:
         self._state = "loading"
         self._publish()
         try:
-            loaded = load_model(name, trust_remote_code=options.trust_remote_code, **kwargs)
+            loaded = load_model(
+                name, trust_remote_code=options.trust_remote_code, **kwargs
+            )
             config_limit = loaded.config.get("max_position_embeddings") or 4096
             info = ModelInfo(
                 name=name,
                 source=loaded.source,
                 tokenizer=loaded.tokenizer,
                 context_size=context_size or config_limit,
-                vocab_size=loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab),
+                vocab_size=loaded.config.get("vocab_size")
+                or len(loaded.tokenizer.vocab),
                 options=options,
                 generation=self._generation + 1,
             )

@@ -15,7 +15,9 @@ logger = logging.getLogger(__name__)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("gguf", help="a .gguf file, or 'default' for the embedded model")
+    parser.add_argument(
+        "gguf", help="a .gguf file, or 'default' for the embedded model"
+    )
     parser.add_argument("output", help="the MLX folder to write")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

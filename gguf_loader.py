@@ -19,8 +19,14 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import _get_classes
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from tokenizers import processors
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -190,7 +190,9 @@ def make_processors(
     """mlx-lm logits processors; zero disables a penalty, as does a repetition penalty of 1."""
     return make_logits_processors(
         logit_bias=logit_bias or None,
-        repetition_penalty=repetition_penalty if repetition_penalty not in (0, 1) else None,
+        repetition_penalty=(
+            repetition_penalty if repetition_penalty not in (0, 1) else None
+        ),
         repetition_context_size=context_size,
         presence_penalty=presence_penalty or None,
         presence_context_size=context_size,

@@ -30,7 +30,9 @@ STARTUP_TIMEOUT = 120.0
 class Server:
     """A backend process started with ``backend.py --addr 127.0.0.1:0``."""
 
-    def __init__(self, *args: str, env: dict | None = None, launcher: list | None = None):
+    def __init__(
+        self, *args: str, env: dict | None = None, launcher: list | None = None
+    ):
         self.log = tempfile.NamedTemporaryFile(
             prefix="backend-", suffix=".log", delete=False
         )
@@ -153,7 +155,9 @@ def test_max_tokens(server):
 def test_raw_prompt_is_used_as_given(server):
     prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
     reply = server.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=40))
-    assert reply.prompt_tokens == len(server.stub.TokenizeString(pb.PredictOptions(Prompt=prompt)).tokens)
+    assert reply.prompt_tokens == len(
+        server.stub.TokenizeString(pb.PredictOptions(Prompt=prompt)).tokens
+    )
     assert reply.message.decode() == ANSWER
 
 
@@ -170,7 +174,10 @@ def test_template_gets_tools_and_decoded_tool_calls(server):
                         {
                             "id": "call_1",
                             "type": "function",
-                            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                            "function": {
+                                "name": "weather",
+                                "arguments": '{"city": "Paris"}',
+                            },
                         }
                     ]
                 ),
@@ -214,7 +221,12 @@ def test_ignore_eos_runs_to_max_tokens(server):
 def test_seeded_sampling_is_deterministic_even_when_concurrent(server):
     def sample(seed, out=None):
         text = server.stub.Predict(
-            chat("Write a short poem about the sea.", Temperature=1.0, Seed=seed, Tokens=24)
+            chat(
+                "Write a short poem about the sea.",
+                Temperature=1.0,
+                Seed=seed,
+                Tokens=24,
+            )
         ).message.decode()
         if out is not None:
             out.append(text)
@@ -223,7 +235,9 @@ def test_seeded_sampling_is_deterministic_even_when_concurrent(server):
     alone = sample(1234)
     # The same seed while other seeded requests run at the same time.
     results: list[str] = []
-    threads = [threading.Thread(target=sample, args=(s, results)) for s in (1234, 99, 7)]
+    threads = [
+        threading.Thread(target=sample, args=(s, results)) for s in (1234, 99, 7)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -236,7 +250,9 @@ def test_seeded_sampling_is_deterministic_even_when_concurrent(server):
 def test_concurrent_greedy_requests_get_the_same_answer(server):
     results = []
     threads = [
-        threading.Thread(target=lambda: results.append(server.stub.Predict(chat(Tokens=40))))
+        threading.Thread(
+            target=lambda: results.append(server.stub.Predict(chat(Tokens=40)))
+        )
         for _ in range(3)
     ]
     for t in threads:
@@ -248,8 +264,18 @@ def test_concurrent_greedy_requests_get_the_same_answer(server):
 
 def test_penalties_and_filters_are_accepted(server):
     reply = server.stub.Predict(
-        chat(Tokens=10, Temperature=0.7, TopP=0.9, TopK=40, MinP=0.05, Penalty=1.1,
-             FrequencyPenalty=0.2, PresencePenalty=0.2, Seed=5, LogitBias='{"1": -5}')
+        chat(
+            Tokens=10,
+            Temperature=0.7,
+            TopP=0.9,
+            TopK=40,
+            MinP=0.05,
+            Penalty=1.1,
+            FrequencyPenalty=0.2,
+            PresencePenalty=0.2,
+            Seed=5,
+            LogitBias='{"1": -5}',
+        )
     )
     assert 0 < reply.tokens <= 10
 
@@ -257,7 +283,9 @@ def test_penalties_and_filters_are_accepted(server):
 def test_logit_bias_forces_a_token(server):
     token = server.stub.TokenizeString(pb.PredictOptions(Prompt=" banana")).tokens
     assert len(token) == 1
-    reply = server.stub.Predict(chat(Tokens=3, LogitBias=json.dumps({str(token[0]): 100})))
+    reply = server.stub.Predict(
+        chat(Tokens=3, LogitBias=json.dumps({str(token[0]): 100}))
+    )
     # mlx-lm's BPE detokenizer drops the leading space of the first token.
     assert reply.message.decode() == "banana banana banana"
 
@@ -266,7 +294,13 @@ def test_logit_bias_forces_a_token(server):
 
 
 @pytest.mark.parametrize(
-    "text", ["Hello world", "  ünïcödé 日本語 🙂\n\ttabs", "<|im_start|>user\nhi<|im_end|>", "12345.678"]
+    "text",
+    [
+        "Hello world",
+        "  ünïcödé 日本語 🙂\n\ttabs",
+        "<|im_start|>user\nhi<|im_end|>",
+        "12345.678",
+    ],
 )
 def test_tokenize_detokenize_round_trip(server, text):
     tokens = server.stub.TokenizeString(pb.PredictOptions(Prompt=text))
@@ -293,12 +327,15 @@ def test_status_ready_with_memory(server):
     assert set(status.memory.breakdown) == {"active", "cache", "peak"}
 
 
-@pytest.mark.parametrize("rpc, request_type", [
-    ("Embedding", pb.PredictOptions),
-    ("Score", pb.ScoreRequest),
-    ("GetMetrics", pb.MetricsRequest),
-    ("ModelMetadata", pb.ModelOptions),
-])
+@pytest.mark.parametrize(
+    "rpc, request_type",
+    [
+        ("Embedding", pb.PredictOptions),
+        ("Score", pb.ScoreRequest),
+        ("GetMetrics", pb.MetricsRequest),
+        ("ModelMetadata", pb.ModelOptions),
+    ],
+)
 def test_unimplemented_rpcs(server, rpc, request_type):
     error = error_of(getattr(server.stub, rpc), request_type())
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -306,7 +343,9 @@ def test_unimplemented_rpcs(server, rpc, request_type):
 
 
 def test_health_and_status_answer_during_generation(server):
-    stream = server.stub.PredictStream(chat("Tell me a long story.", Tokens=200, IgnoreEOS=True))
+    stream = server.stub.PredictStream(
+        chat("Tell me a long story.", Tokens=200, IgnoreEOS=True)
+    )
     next(stream)
     latencies = []
     for _ in range(10):
@@ -324,7 +363,9 @@ def test_health_and_status_answer_during_generation(server):
 
 
 def test_cancelled_stream_stops_and_next_request_is_served(server):
-    stream = server.stub.PredictStream(chat("Tell me a long story.", Tokens=0, IgnoreEOS=True))
+    stream = server.stub.PredictStream(
+        chat("Tell me a long story.", Tokens=0, IgnoreEOS=True)
+    )
     for _ in range(3):
         next(stream)
     stream.cancel()
@@ -336,7 +377,9 @@ def test_cancelled_stream_stops_and_next_request_is_served(server):
 
 def test_deadline_stops_generation(server):
     error = error_of(
-        server.stub.Predict, chat("Tell me a long story.", Tokens=0, IgnoreEOS=True), timeout=1.5
+        server.stub.Predict,
+        chat("Tell me a long story.", Tokens=0, IgnoreEOS=True),
+        timeout=1.5,
     )
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_for(pb.StatusResponse.READY, timeout=5)
@@ -344,9 +387,13 @@ def test_deadline_stops_generation(server):
 
 
 def test_cancel_during_prefill(server):
-    assert server.stub.LoadModel(pb.ModelOptions(Options=["prefill_step_size:8"])).success
+    assert server.stub.LoadModel(
+        pb.ModelOptions(Options=["prefill_step_size:8"])
+    ).success
     try:
-        error = error_of(server.stub.Predict, chat("word " * 300, Tokens=5), timeout=2.0)
+        error = error_of(
+            server.stub.Predict, chat("word " * 300, Tokens=5), timeout=2.0
+        )
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         server.wait_for(pb.StatusResponse.READY, timeout=10)
         assert "generation cancelled during prefill" in server.logs()
@@ -378,7 +425,10 @@ def test_malformed_fields_are_invalid_argument(server, fields, field_name):
 def test_malformed_message_tool_calls(server):
     request = pb.PredictOptions(
         UseTokenizerTemplate=True,
-        Messages=[pb.Message(role="user", content="hi"), pb.Message(role="assistant", tool_calls="{oops")],
+        Messages=[
+            pb.Message(role="user", content="hi"),
+            pb.Message(role="assistant", tool_calls="{oops"),
+        ],
     )
     error = error_of(server.stub.Predict, request)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -402,7 +452,9 @@ def test_context_size_identity_and_reload(server):
         assert reply.message.decode() == "The capital of"
         error = error_of(server.stub.Predict, chat(QUESTION * 3))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "40" in error.details() and re.search(r"\b\d{2,3} tokens", error.details())
+        assert "40" in error.details() and re.search(
+            r"\b\d{2,3} tokens", error.details()
+        )
 
         error = error_of(server.stub.Predict, chat(ModelIdentity="other-model"))
         assert error.code() == grpc.StatusCode.NOT_FOUND
@@ -443,7 +495,11 @@ def test_internal_errors_map_to_internal():
 
 
 def test_auth_is_required(bare_server):
-    for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+    for metadata in (
+        None,
+        (("authorization", "Bearer wrong"),),
+        (("authorization", "s3cret"),),
+    ):
         for call, request in (
             (bare_server.stub.Health, pb.HealthMessage()),
             (bare_server.stub.PredictStream, chat()),
@@ -454,23 +510,39 @@ def test_auth_is_required(bare_server):
 
 
 def test_predict_before_load_model(bare_server):
-    assert bare_server.stub.Status(pb.HealthMessage(), metadata=AUTH).state == pb.StatusResponse.UNINITIALIZED
-    for call in (bare_server.stub.Predict, bare_server.stub.PredictStream, bare_server.stub.TokenizeString):
+    assert (
+        bare_server.stub.Status(pb.HealthMessage(), metadata=AUTH).state
+        == pb.StatusResponse.UNINITIALIZED
+    )
+    for call in (
+        bare_server.stub.Predict,
+        bare_server.stub.PredictStream,
+        bare_server.stub.TokenizeString,
+    ):
         error = error_of(call, chat(), metadata=AUTH)
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_load_failure_names_what_was_tried(bare_server):
     result = bare_server.stub.LoadModel(
-        pb.ModelOptions(Model="missing.gguf", ModelPath="/nonexistent/models", ModelFile="/nonexistent/models/missing.gguf"),
+        pb.ModelOptions(
+            Model="missing.gguf",
+            ModelPath="/nonexistent/models",
+            ModelFile="/nonexistent/models/missing.gguf",
+        ),
         metadata=AUTH,
     )
     assert not result.success
-    assert "missing.gguf" in result.message and "/nonexistent/models/missing.gguf" in result.message
+    assert (
+        "missing.gguf" in result.message
+        and "/nonexistent/models/missing.gguf" in result.message
+    )
     with tempfile.TemporaryDirectory() as folder:
         broken = Path(folder) / "broken.gguf"
         broken.write_bytes(b"not a gguf file")
-        result = bare_server.stub.LoadModel(pb.ModelOptions(Model=str(broken)), metadata=AUTH)
+        result = bare_server.stub.LoadModel(
+            pb.ModelOptions(Model=str(broken)), metadata=AUTH
+        )
         assert not result.success and "broken.gguf" in result.message
     assert bare_server.stub.Health(pb.HealthMessage(), metadata=AUTH).message == b"OK"
 
@@ -479,12 +551,19 @@ def test_load_folder_and_free_releases_memory(bare_server):
     # An MLX-format folder: the exported GGUF model in mlx-lm's layout.
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run(
-            [sys.executable, str(HERE / "export_model.py"), str(default_model_path()), folder],
+            [
+                sys.executable,
+                str(HERE / "export_model.py"),
+                str(default_model_path()),
+                folder,
+            ],
             check=True,
             cwd=HERE,
         )
         result = bare_server.stub.LoadModel(
-            pb.ModelOptions(Model=Path(folder).name, ModelPath=str(Path(folder).parent)),
+            pb.ModelOptions(
+                Model=Path(folder).name, ModelPath=str(Path(folder).parent)
+            ),
             metadata=AUTH,
         )
         assert result.success, result.message
@@ -495,11 +574,17 @@ def test_load_folder_and_free_releases_memory(bare_server):
     assert bare_server.stub.Free(pb.HealthMessage(), metadata=AUTH).success
     freed = bare_server.stub.Status(pb.HealthMessage(), metadata=AUTH)
     assert freed.state == pb.StatusResponse.UNINITIALIZED
-    assert freed.memory.breakdown["active"] < loaded.memory.breakdown["active"] - 50_000_000
+    assert (
+        freed.memory.breakdown["active"]
+        < loaded.memory.breakdown["active"] - 50_000_000
+    )
     error = error_of(bare_server.stub.Predict, chat(), metadata=AUTH)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert bare_server.stub.LoadModel(pb.ModelOptions(), metadata=AUTH).success
-    assert bare_server.stub.Predict(chat(Tokens=40), metadata=AUTH).message.decode() == ANSWER
+    assert (
+        bare_server.stub.Predict(chat(Tokens=40), metadata=AUTH).message.decode()
+        == ANSWER
+    )
 
 
 # -- process conventions ----------------------------------------------------------
@@ -517,7 +602,10 @@ def test_sigterm_shuts_down_gracefully():
 @pytest.mark.parametrize("watch", ["true", "off"])
 def test_parent_watch(watch):
     # A shell parents the backend; once the shell is killed the backend is re-parented.
-    env = {"LOCALAI_BACKEND_PARENT_WATCH": watch, "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL": "200ms"}
+    env = {
+        "LOCALAI_BACKEND_PARENT_WATCH": watch,
+        "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL": "200ms",
+    }
     srv = Server(env=env, launcher=["sh", "-c", '"$0" "$@" & wait'])
     pid = int(re.search(r"\(pid (\d+)\)", srv.logs()).group(1))
     try:
@@ -555,24 +643,41 @@ def grpcurl():
 def test_grpcurl_lists_services_by_reflection(server, grpcurl):
     out = subprocess.run(
         [grpcurl, "-plaintext", f"127.0.0.1:{server.port}", "list"],
-        capture_output=True, text=True, check=True, timeout=60,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout.split()
     assert {"backend.Backend", "grpc.health.v1.Health"} <= set(out)
 
 
 def test_grpcurl_streams_a_reply_by_reflection(server, grpcurl):
-    request = json.dumps({
-        "UseTokenizerTemplate": True,
-        "Messages": [{"role": "user", "content": QUESTION}],
-        "Tokens": 40,
-    })
+    request = json.dumps(
+        {
+            "UseTokenizerTemplate": True,
+            "Messages": [{"role": "user", "content": QUESTION}],
+            "Tokens": 40,
+        }
+    )
     out = subprocess.run(
-        [grpcurl, "-plaintext", "-d", request, f"127.0.0.1:{server.port}", "backend.Backend/PredictStream"],
-        capture_output=True, text=True, check=True, timeout=60,
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            request,
+            f"127.0.0.1:{server.port}",
+            "backend.Backend/PredictStream",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout
     import base64
 
-    replies = [json.loads(chunk) for chunk in re.split(r"(?<=\})\s*(?=\{)", out.strip())]
+    replies = [
+        json.loads(chunk) for chunk in re.split(r"(?<=\})\s*(?=\{)", out.strip())
+    ]
     text = "".join(base64.b64decode(r.get("message", "")).decode() for r in replies)
     assert text == ANSWER
     assert replies[-1]["tokens"] == ANSWER_TOKENS

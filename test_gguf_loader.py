@@ -4,7 +4,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load as load_mlx_folder
 
-from gguf_loader import GGUFError, export_mlx_folder, load_gguf, make_config, translate_name
+from gguf_loader import (
+    GGUFError,
+    export_mlx_folder,
+    load_gguf,
+    make_config,
+    translate_name,
+)
 from mlx_utils import default_model_path, make_seeded_sampler
 
 
@@ -96,7 +102,10 @@ def test_export_folder_loads_with_mlx_lm_and_matches(loaded, tmp_path):
     export_mlx_folder(default_model_path(), tmp_path)
     folder_model, folder_tokenizer = load_mlx_folder(str(tmp_path))
     ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
-    assert folder_tokenizer.encode("The capital of France is", add_special_tokens=False) == ids
+    assert (
+        folder_tokenizer.encode("The capital of France is", add_special_tokens=False)
+        == ids
+    )
     expected = model(mx.array([ids]))
     actual = folder_model(mx.array([ids]))
     assert mx.array_equal(expected, actual).item()

@@ -22,15 +22,27 @@ from python_utils import (
     render_chat,
 )
 
-WIRE_REFERENCE = Path(__file__).resolve().parent.parent / "shared/reference/localai-backend-wire.md"
+WIRE_REFERENCE = (
+    Path(__file__).resolve().parent.parent / "shared/reference/localai-backend-wire.md"
+)
 
 
 def test_parse_options_typed_values_and_aliases():
     options = parse_options(
-        ["temperature:0.7", "top_k: 40", "max_tokens:128", "enable_thinking:false", "penalty:1.1"]
+        [
+            "temperature:0.7",
+            "top_k: 40",
+            "max_tokens:128",
+            "enable_thinking:false",
+            "penalty:1.1",
+        ]
     )
     assert options == LoadOptions(
-        temperature=0.7, top_k=40, max_tokens=128, enable_thinking=False, repetition_penalty=1.1
+        temperature=0.7,
+        top_k=40,
+        max_tokens=128,
+        enable_thinking=False,
+        repetition_penalty=1.1,
     )
 
 
@@ -55,7 +67,8 @@ def test_parse_options_rejects_bad_values(entry, message):
 
 
 @pytest.mark.parametrize(
-    "text, seconds", [("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("3", 3.0), ("0.25", 0.25)]
+    "text, seconds",
+    [("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("3", 3.0), ("0.25", 0.25)],
 )
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
@@ -67,7 +80,15 @@ def test_parse_duration_rejects_garbage():
 
 
 class Message:
-    def __init__(self, role, content="", name="", tool_call_id="", reasoning_content="", tool_calls=""):
+    def __init__(
+        self,
+        role,
+        content="",
+        name="",
+        tool_call_id="",
+        reasoning_content="",
+        tool_calls="",
+    ):
         self.role, self.content, self.name = role, content, name
         self.tool_call_id, self.reasoning_content, self.tool_calls = (
             tool_call_id,
@@ -77,11 +98,19 @@ class Message:
 
 
 def test_convert_messages_decodes_tool_call_arguments():
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    calls = [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}'},
+        }
+    ]
     converted = convert_messages(
         [
             Message("user", "hi", name="bob"),
-            Message("assistant", "", reasoning_content="hmm", tool_calls=json.dumps(calls)),
+            Message(
+                "assistant", "", reasoning_content="hmm", tool_calls=json.dumps(calls)
+            ),
             Message("tool", "42", tool_call_id="c1"),
         ]
     )
@@ -92,7 +121,11 @@ def test_convert_messages_decodes_tool_call_arguments():
             "content": "",
             "reasoning_content": "hmm",
             "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": {"a": 1}},
+                }
             ],
         },
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
@@ -104,13 +137,18 @@ def test_convert_messages_decodes_tool_call_arguments():
     [
         ("[oops", "Messages[1].tool_calls"),
         ('"text"', "Messages[1].tool_calls"),
-        ('[{"function": {"name": "f", "arguments": "{bad"}}]', "Messages[1].tool_calls.arguments"),
+        (
+            '[{"function": {"name": "f", "arguments": "{bad"}}]',
+            "Messages[1].tool_calls.arguments",
+        ),
         ('[{"name": "f"}]', "Messages[1].tool_calls"),
     ],
 )
 def test_convert_messages_names_the_bad_field(tool_calls, where):
     with pytest.raises(InvalidArgument, match=re.escape(where)):
-        convert_messages([Message("user", "x"), Message("assistant", tool_calls=tool_calls)])
+        convert_messages(
+            [Message("user", "x"), Message("assistant", tool_calls=tool_calls)]
+        )
 
 
 def test_parse_tools_and_tool_choice():
@@ -124,7 +162,9 @@ def test_parse_tools_and_tool_choice():
 
 
 def test_parse_logit_bias_ignores_out_of_vocabulary_ids():
-    assert parse_logit_bias('{"5": -100, "99": 2, "-1": 3}', vocab_size=10) == {5: -100.0}
+    assert parse_logit_bias('{"5": -100, "99": 2, "-1": 3}', vocab_size=10) == {
+        5: -100.0
+    }
     assert parse_logit_bias("", vocab_size=10) == {}
     with pytest.raises(InvalidArgument, match="LogitBias"):
         parse_logit_bias("[1, 2]", vocab_size=10)
@@ -135,8 +175,12 @@ def test_parse_template_args():
     args = parse_template_args(
         tools, "", {"enable_thinking": "true", "chat_template_kwargs": '{"x": 1}'}, None
     )
-    assert args == TemplateArgs(tools=json.loads(tools), enable_thinking=True, extra={"x": 1})
-    assert parse_template_args(tools, '"none"', {}, False) == TemplateArgs(enable_thinking=False)
+    assert args == TemplateArgs(
+        tools=json.loads(tools), enable_thinking=True, extra={"x": 1}
+    )
+    assert parse_template_args(tools, '"none"', {}, False) == TemplateArgs(
+        enable_thinking=False
+    )
     with_effort = parse_template_args("", "", {"reasoning_effort": "low"}, None)
     assert with_effort.extra == {"reasoning_effort": "low"}
     with pytest.raises(InvalidArgument, match="Metadata.enable_thinking"):
@@ -184,8 +228,13 @@ def test_render_chat_passes_template_arguments():
 # -- backend.proto against the wire contract ----------------------------------------
 
 _PROTO_TYPES = {
-    "string": "string", "bytes": "bytes", "bool": "bool", "int32": "int32",
-    "uint64": "uint64", "float": "float", "double": "double",
+    "string": "string",
+    "bytes": "bytes",
+    "bool": "bool",
+    "int32": "int32",
+    "uint64": "uint64",
+    "float": "float",
+    "double": "double",
 }
 
 
@@ -199,7 +248,10 @@ def _reference_tables() -> dict[str, dict[int, tuple[str, str]]]:
             continue
         row = re.match(r"^\| (\d+) \| (\w+) \| (.+?) \|$", line)
         if current and row:
-            tables.setdefault(current, {})[int(row.group(1))] = (row.group(2), row.group(3))
+            tables.setdefault(current, {})[int(row.group(1))] = (
+                row.group(2),
+                row.group(3),
+            )
     return tables
 
 
@@ -213,15 +265,25 @@ def _type_name(field) -> str:
         base = field.enum_type.name
     else:
         base = {
-            field.TYPE_STRING: "string", field.TYPE_BYTES: "bytes", field.TYPE_BOOL: "bool",
-            field.TYPE_INT32: "int32", field.TYPE_UINT64: "uint64", field.TYPE_FLOAT: "float",
+            field.TYPE_STRING: "string",
+            field.TYPE_BYTES: "bytes",
+            field.TYPE_BOOL: "bool",
+            field.TYPE_INT32: "int32",
+            field.TYPE_UINT64: "uint64",
+            field.TYPE_FLOAT: "float",
             field.TYPE_DOUBLE: "double",
         }[field.type]
-    repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+    repeated = (
+        field.is_repeated
+        if hasattr(field, "is_repeated")
+        else field.label == field.LABEL_REPEATED
+    )
     return f"repeated {base}" if repeated else base
 
 
-@pytest.mark.skipif(not WIRE_REFERENCE.exists(), reason="the wire reference is not beside the checkout")
+@pytest.mark.skipif(
+    not WIRE_REFERENCE.exists(), reason="the wire reference is not beside the checkout"
+)
 def test_proto_matches_the_wire_reference():
     tables = _reference_tables()
     assert len(tables) > 20
@@ -236,8 +298,20 @@ def test_proto_matches_the_wire_reference():
 
 
 def test_service_declares_the_text_surface():
-    methods = {m.name for m in backend_pb2.DESCRIPTOR.services_by_name["Backend"].methods}
+    methods = {
+        m.name for m in backend_pb2.DESCRIPTOR.services_by_name["Backend"].methods
+    }
     assert methods == {
-        "Health", "Free", "LoadModel", "Predict", "PredictStream", "Embedding", "TokenizeString",
-        "Detokenize", "Status", "GetMetrics", "Score", "ModelMetadata",
+        "Health",
+        "Free",
+        "LoadModel",
+        "Predict",
+        "PredictStream",
+        "Embedding",
+        "TokenizeString",
+        "Detokenize",
+        "Status",
+        "GetMetrics",
+        "Score",
+        "ModelMetadata",
     }
