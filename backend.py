@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import inspect
 import logging
 import os
@@ -26,6 +27,8 @@ import backend_pb2
 import backend_pb2_grpc
 from engine import Engine, Finished, GenerationRequest, ModelInfo, SamplingParams
 from python_utils import (
+    FAST_BLAS_ENV,
+    FAST_BLAS_PACKAGE,
     Aborted,
     BackendError,
     FailedPrecondition,
@@ -34,11 +37,14 @@ from python_utils import (
     Unimplemented,
     convert_messages,
     encode_prompt,
+    fast_blas_requested,
+    find_fast_blas,
     parse_duration,
     parse_logit_bias,
     parse_options,
     parse_template_args,
     parse_tools,
+    preload_environment,
     render_chat,
 )
 
@@ -231,7 +237,8 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         logger.info("model loaded from %s, context %d", info.source, info.context_size)
         return backend_pb2.Result(
             success=True,
-            message=f"loaded {info.source} (context size {info.context_size})",
+            message=f"loaded {info.source} (context size {info.context_size}; "
+            f"{info.compute_path.description})",
         )
 
     async def Health(self, request, context):
@@ -434,6 +441,46 @@ async def serve(address: str, model: str | None, grace: float = 5.0) -> None:
     logger.info("stopped")
 
 
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def maybe_reexec_with_fast_blas() -> None:
+    """On Linux CPU, restart once with a fast BLAS preloaded in place of MLX's own.
+
+    MLX binds its BLAS at load time, so the choice has to be made before it
+    loads; ``MLX_BACKEND_FAST_BLAS=off`` keeps the bundled reference BLAS.
+    """
+    if sys.platform != "linux" or not fast_blas_requested(os.environ):
+        return
+    if os.environ.get(FAST_BLAS_ENV, "").startswith("/"):
+        return  # already restarted with it
+    if (
+        not _installed("mlx-cpu")
+        or _installed("mlx-cuda-12")
+        or _installed("mlx-cuda-13")
+    ):
+        return  # CUDA builds do their matmuls on the GPU
+    library = find_fast_blas()
+    if library is None:
+        logger.warning(
+            "no fast BLAS found: the CPU path stays slow. Install it with "
+            "'apt-get install %s' (or 'make install' as root)",
+            FAST_BLAS_PACKAGE,
+        )
+        return
+    logger.info("restarting with %s preloaded for MLX's matmuls", library)
+    os.execve(
+        sys.executable,
+        [sys.executable, *sys.argv],
+        preload_environment(os.environ, library),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="LocalAI MLX backend (gRPC)")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT to bind")
@@ -453,6 +500,8 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if argv is None:
+        maybe_reexec_with_fast_blas()
     asyncio.run(serve(args.addr, args.model))
 
 

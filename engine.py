@@ -9,6 +9,7 @@ sequence) -> emit (events to the handlers' queues).
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import math
@@ -22,11 +23,13 @@ import mlx.core as mx
 from mlx_lm.generate import TextStateMachine, generate_step
 
 from mlx_utils import (
+    ComputePath,
     LoadedModel,
     load_model,
     make_processors,
     make_seeded_sampler,
     memory_snapshot,
+    prepare_for_cpu,
     release_memory,
 )
 from python_utils import Aborted, FailedPrecondition, LoadOptions
@@ -92,6 +95,7 @@ class ModelInfo:
     vocab_size: int
     options: LoadOptions
     generation: int
+    compute_path: ComputePath = ComputePath("")
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,10 @@ class Engine:
         state = self._state
         if state == "ready" and self._active:
             state = "busy"
-        self.stats = EngineStats(state, len(self._active), memory_snapshot())
+        memory = memory_snapshot()
+        if self.info is not None:
+            memory.update(self.info.compute_path.breakdown())
+        self.stats = EngineStats(state, len(self._active), memory)
 
     def _unload(self) -> None:
         self._abort_all("the model was unloaded")
@@ -414,6 +421,11 @@ class Engine:
             loaded = load_model(
                 name, trust_remote_code=options.trust_remote_code, **kwargs
             )
+            model, compute_path = prepare_for_cpu(
+                loaded.model, options.dequantize, options.dequantize_max_bytes
+            )
+            loaded = dataclasses.replace(loaded, model=model)
+            logger.info("compute path: %s", compute_path.description)
             config_limit = loaded.config.get("max_position_embeddings") or 4096
             info = ModelInfo(
                 name=name,
@@ -424,6 +436,7 @@ class Engine:
                 or len(loaded.tokenizer.vocab),
                 options=options,
                 generation=self._generation + 1,
+                compute_path=compute_path,
             )
         except Exception:
             self._state = "error"

@@ -1,6 +1,7 @@
 """MLX and mlx-lm helpers: model resolution and loading, sampling, memory."""
 
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from importlib import metadata
@@ -17,9 +18,11 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import dequantize_model, get_total_parameters
 from mlx_lm.utils import load as load_mlx_folder
 
 from gguf_loader import load_gguf
+from python_utils import FAST_BLAS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +150,97 @@ def _load_path_or_repo(ref: str, adapter: str | None, trust_remote_code: bool):
         adapter_path=adapter,
         return_config=True,
         trust_remote_code=trust_remote_code,
+    )
+
+
+DEQUANTIZE_ENV = "MLX_BACKEND_DEQUANTIZE"
+# The share of physical memory dequantized weights may take by default.
+DEQUANTIZE_MEMORY_FRACTION = 0.4
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fast_blas_in_use() -> str | None:
+    """The fast BLAS this process was started with (see backend.py), if any."""
+    library = os.environ.get(FAST_BLAS_ENV, "")
+    return library if library.startswith("/") else None
+
+
+def float32_bytes(model: nn.Module) -> int:
+    return get_total_parameters(model) * 4
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(hasattr(m, "bits") for _, m in model.named_modules())
+
+
+@dataclass(frozen=True)
+class ComputePath:
+    """How the loaded model runs; shown in the load log, LoadModel and Status."""
+
+    description: str
+    fast_blas: bool = False
+    dequantized_bytes: int = 0
+
+    def breakdown(self) -> dict[str, int]:
+        return {
+            "fast_blas": int(self.fast_blas),
+            "dequantized_weights": self.dequantized_bytes,
+        }
+
+
+def prepare_for_cpu(
+    model: nn.Module, dequantize: bool | None, max_bytes: int | None
+) -> tuple[nn.Module, ComputePath]:
+    """Pick the fastest correct weight layout for the CPU device.
+
+    MLX's quantized CPU kernels cost the same per row at any batch size, while a
+    float32 matmul through a fast BLAS is several times faster for one row and far
+    faster for many. So quantized weights are dequantized when they fit the budget.
+
+    Returns:
+        The model to use and the path taken.
+    """
+    if mx.default_device().type != mx.cpu:
+        return model, ComputePath("GPU, weights as loaded")
+    blas = fast_blas_in_use()
+    blas_text = f"BLAS {blas}" if blas else "MLX's bundled reference BLAS"
+    fast = blas is not None
+    if not is_quantized(model):
+        return model, ComputePath(f"CPU, {blas_text}, unquantized weights", fast)
+    if os.environ.get(DEQUANTIZE_ENV, "").strip().lower() in (
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
+        dequantize = False
+    budget = max_bytes or int(physical_memory() * DEQUANTIZE_MEMORY_FRACTION)
+    needed = float32_bytes(model)
+    if dequantize is None:
+        dequantize = blas is not None and needed <= budget
+    if not dequantize:
+        why = (
+            "off"
+            if blas is not None and needed <= budget
+            else (
+                "no fast BLAS"
+                if blas is None
+                else f"{needed} bytes over the budget of {budget}"
+            )
+        )
+        return model, ComputePath(
+            f"CPU, {blas_text}, quantized kernels (dequantize: {why})", fast
+        )
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model, ComputePath(
+        f"CPU, {blas_text}, weights dequantized to float32 ({needed >> 20} MiB)",
+        fast,
+        needed,
     )
 
 

@@ -51,6 +51,9 @@ class LoadOptions:
     max_kv_size: int | None = None
     enable_thinking: bool | None = None
     trust_remote_code: bool = False
+    # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
+    dequantize: bool | None = None
+    dequantize_max_bytes: int | None = None
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -87,7 +90,9 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
             continue
         kind = fields[key].type
         try:
-            if "bool" in str(kind):
+            if "bool" in str(kind) and "None" in str(kind) and raw.strip() == "auto":
+                values[key] = None
+            elif "bool" in str(kind):
                 values[key] = parse_bool(raw)
             elif "int" in str(kind):
                 values[key] = int(raw.strip())
@@ -96,7 +101,12 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         except ValueError as e:
             raise InvalidArgument(f"Options: {key}: {e}") from None
     parsed = LoadOptions(**values)
-    for name in ("prefill_step_size", "repetition_context_size", "max_kv_size"):
+    for name in (
+        "prefill_step_size",
+        "repetition_context_size",
+        "max_kv_size",
+        "dequantize_max_bytes",
+    ):
         value = getattr(parsed, name)
         if value is not None and value < 1:
             raise InvalidArgument(f"Options: {name} must be at least 1")
@@ -267,3 +277,44 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     bos = tokenizer.bos_token
     add_special = bos is None or not prompt.startswith(bos)
     return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+
+
+# -- fast BLAS on Linux CPU ----------------------------------------------------------
+
+FAST_BLAS_ENV = "MLX_BACKEND_FAST_BLAS"
+# Debian's OpenBLAS first, then Intel MKL's runtime (PyPI `mkl` or a system install).
+FAST_BLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libmkl_rt.so",
+)
+FAST_BLAS_PACKAGE = "libopenblas0-pthread"
+
+
+def fast_blas_requested(environ) -> bool:
+    """Whether the fast-BLAS switch is on (default on; false/0/no/off turn it off)."""
+    return environ.get(FAST_BLAS_ENV, "auto").strip().lower() not in _FALSE
+
+
+def find_fast_blas(candidates=FAST_BLAS_CANDIDATES, extra_dirs=()) -> str | None:
+    """The first fast BLAS library present on this machine."""
+    from pathlib import Path
+
+    for folder in extra_dirs:
+        for name in ("libopenblas.so.0", "libmkl_rt.so.2", "libmkl_rt.so"):
+            if (Path(folder) / name).exists():
+                return str(Path(folder) / name)
+    for path in candidates:
+        if Path(path).exists():
+            return path
+    return None
+
+
+def preload_environment(environ, library: str) -> dict:
+    """``environ`` with ``library`` preloaded, so MLX binds its BLAS calls to it."""
+    preload = [p for p in environ.get("LD_PRELOAD", "").split() if p]
+    if library not in preload:
+        preload.insert(0, library)
+    return {**environ, "LD_PRELOAD": " ".join(preload), FAST_BLAS_ENV: library}

@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
 import pytest
 
 import backend_pb2 as pb
 import backend_pb2_grpc
 from mlx_utils import default_model_path
+from python_utils import FAST_BLAS_PACKAGE, find_fast_blas
 
 HERE = Path(__file__).resolve().parent
 QUESTION = "What is the capital of France?"
@@ -324,7 +326,44 @@ def test_status_ready_with_memory(server):
     status = server.stub.Status(pb.HealthMessage())
     assert status.state == pb.StatusResponse.READY
     assert status.memory.total > 50_000_000
-    assert set(status.memory.breakdown) == {"active", "cache", "peak"}
+    assert {"active", "cache", "peak"} <= set(status.memory.breakdown)
+
+
+def test_linux_cpu_runs_the_fast_path(server):
+    """With the fast BLAS installed (make install), the default model is dequantized."""
+    if sys.platform != "linux" or mx.default_device().type != mx.cpu:
+        pytest.skip("the fast CPU path is for Linux CPU")
+    assert find_fast_blas(), f"{FAST_BLAS_PACKAGE} is not installed: run make install"
+    breakdown = server.stub.Status(pb.HealthMessage()).memory.breakdown
+    assert breakdown["fast_blas"] == 1
+    assert breakdown["dequantized_weights"] > 500_000_000
+    assert "preloaded for MLX's matmuls" in server.logs()
+    assert "weights dequantized to float32" in server.logs()
+    # The reference answer on the fast path.
+    assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
+
+
+def test_dequantize_option_off_keeps_quantized_kernels(server):
+    result = server.stub.LoadModel(pb.ModelOptions(Options=["dequantize:false"]))
+    try:
+        assert result.success and "quantized kernels" in result.message
+        breakdown = server.stub.Status(pb.HealthMessage()).memory.breakdown
+        assert breakdown["dequantized_weights"] == 0
+        assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+
+
+def test_stock_path_when_fast_blas_is_switched_off():
+    srv = Server("--model", "default", env={"MLX_BACKEND_FAST_BLAS": "off"})
+    try:
+        srv.wait_for(pb.StatusResponse.READY)
+        breakdown = srv.stub.Status(pb.HealthMessage()).memory.breakdown
+        assert (breakdown["fast_blas"], breakdown["dequantized_weights"]) == (0, 0)
+        assert "preloaded" not in srv.logs()
+        assert srv.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,21 @@ import pytest
 
 import backend_pb2
 from python_utils import (
+    FAST_BLAS_ENV,
     InvalidArgument,
     LoadOptions,
     TemplateArgs,
     convert_messages,
     encode_prompt,
+    fast_blas_requested,
+    find_fast_blas,
     parse_duration,
     parse_logit_bias,
     parse_options,
     parse_template_args,
     parse_tool_choice,
     parse_tools,
+    preload_environment,
     render_chat,
 )
 
@@ -44,6 +48,36 @@ def test_parse_options_typed_values_and_aliases():
         enable_thinking=False,
         repetition_penalty=1.1,
     )
+
+
+def test_parse_options_dequantize_switches():
+    assert parse_options(["dequantize:auto"]).dequantize is None
+    assert parse_options(["dequantize:false"]).dequantize is False
+    assert parse_options(["dequantize_max_bytes:1000"]).dequantize_max_bytes == 1000
+    with pytest.raises(InvalidArgument, match="dequantize_max_bytes"):
+        parse_options(["dequantize_max_bytes:0"])
+
+
+def test_fast_blas_switch_and_discovery(tmp_path):
+    assert fast_blas_requested({})
+    assert fast_blas_requested({FAST_BLAS_ENV: "auto"})
+    assert not fast_blas_requested({FAST_BLAS_ENV: "off"})
+    assert find_fast_blas(candidates=(str(tmp_path / "missing.so"),)) is None
+    library = tmp_path / "libopenblas.so.0"
+    library.write_bytes(b"")
+    assert find_fast_blas(candidates=(), extra_dirs=(tmp_path,)) == str(library)
+    assert find_fast_blas(candidates=("/nope.so", str(library))) == str(library)
+
+
+def test_preload_environment_keeps_other_preloads():
+    env = preload_environment({"LD_PRELOAD": "/a.so", "PATH": "/bin"}, "/blas.so")
+    assert env == {
+        "LD_PRELOAD": "/blas.so /a.so",
+        "PATH": "/bin",
+        FAST_BLAS_ENV: "/blas.so",
+    }
+    again = preload_environment(env, "/blas.so")
+    assert again["LD_PRELOAD"] == "/blas.so /a.so"
 
 
 def test_parse_options_ignores_unknown_keys():
