@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""Side-by-side benchmark: the gRPC backend against mlx-lm's own stream_generate.
+"""Side-by-side benchmarks of the backend on the embedded default model.
 
-Both run the embedded default model on the same prompt, greedy, with EOS banned
-so every run decodes the same number of tokens. Rounds alternate between the two
-so machine noise hits both alike. It also samples Health latency while a long
-generation streams. Results go to stdout and bench-results/core.json.
+1. Server overhead: gRPC PredictStream against mlx-lm's own stream_generate on
+   the same compute path, greedy, with EOS banned so every run decodes the same
+   number of tokens; plus Health latency while a long generation streams.
+2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels) against
+   the fast path (fast BLAS, float32 weights): prefill on a 1000-token prompt,
+   decode, and peak memory.
+
+Rounds alternate between the sides so machine noise hits both alike. Results go
+to stdout and bench-results/core.json.
 """
 
 import argparse
 import json
 import logging
+import os
 import re
 import signal
 import statistics
@@ -18,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import grpc
@@ -26,48 +33,59 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import backend_pb2 as pb
 import backend_pb2_grpc
+from backend import maybe_reexec_with_fast_blas
 from gguf_loader import load_gguf
-from mlx_utils import default_model_path
+from mlx_utils import default_model_path, prepare_for_cpu
 
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
+LONG_TEXT = (
+    "The lighthouse stood on the northern cliff for two hundred years, and every "
+    "night its keeper climbed the spiral stairs to light the lamp. "
+)
+PREFILL_TOKENS = 1000
 
 
-def start_server(log_path: Path) -> tuple[subprocess.Popen, int]:
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            str(HERE / "backend.py"),
-            "--addr",
-            "127.0.0.1:0",
-            "--model",
-            "default",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=HERE,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())
-        if found and "startup model" in log_path.read_text():
-            return process, int(found.group(1))
-        if process.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise RuntimeError(f"backend did not start:\n{log_path.read_text()}")
+@contextmanager
+def running_server(folder: str, name: str, env: dict | None = None):
+    """A backend process with the default model loaded; yields its stub."""
+    log_path = Path(folder) / f"{name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / "backend.py"), "--addr", "127.0.0.1:0"]
+            + ["--model", "default"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=HERE,
+            env={**os.environ, **(env or {})},
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "startup model" not in log_path.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"backend did not start:\n{log_path.read_text()}")
+            time.sleep(0.1)
+        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())
+        with grpc.insecure_channel(f"127.0.0.1:{port.group(1)}") as channel:
+            yield backend_pb2_grpc.BackendStub(channel)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
 
 
-def server_decode(stub, tokens: int, eos: int) -> dict:
-    request = pb.PredictOptions(
+def chat_request(tokens: int, **fields) -> pb.PredictOptions:
+    return pb.PredictOptions(
         UseTokenizerTemplate=True,
         Messages=[pb.Message(role="user", content=PROMPT)],
         Tokens=tokens,
-        LogitBias=json.dumps({str(eos): -1e9}),
+        **fields,
     )
+
+
+def server_decode(stub, tokens: int, eos: int) -> dict:
+    request = chat_request(tokens, LogitBias=json.dumps({str(eos): -1e9}))
     start = time.perf_counter()
     first = None
     for reply in stub.PredictStream(request):
@@ -79,6 +97,21 @@ def server_decode(stub, tokens: int, eos: int) -> dict:
         "ttft_s": first - start,
         "decode_tps": (reply.tokens - 1) / (end - first),
     }
+
+
+def server_prefill(stub, prompt: str) -> dict:
+    reply = stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=1))
+    seconds = reply.timing_prompt_processing / 1000
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "prefill_tps": reply.prompt_tokens / seconds,
+    }
+
+
+def long_prompt(stub) -> str:
+    """Text of exactly PREFILL_TOKENS tokens."""
+    ids = stub.TokenizeString(pb.PredictOptions(Prompt=LONG_TEXT * 60)).tokens
+    return stub.Detokenize(pb.DetokenizeRequest(tokens=ids[:PREFILL_TOKENS])).content
 
 
 def library_decode(model, tokenizer, tokens: int, eos: int) -> dict:
@@ -111,14 +144,7 @@ def health_latency(stub, tokens: int) -> dict:
             samples.append((time.perf_counter() - start) * 1000)
             time.sleep(0.02)
 
-    stream = stub.PredictStream(
-        pb.PredictOptions(
-            UseTokenizerTemplate=True,
-            Messages=[pb.Message(role="user", content=PROMPT)],
-            Tokens=tokens,
-            IgnoreEOS=True,
-        )
-    )
+    stream = stub.PredictStream(chat_request(tokens, IgnoreEOS=True))
     next(stream)
     thread = threading.Thread(target=probe)
     thread.start()
@@ -135,74 +161,109 @@ def health_latency(stub, tokens: int) -> dict:
     }
 
 
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
+    model, tokenizer, _ = load_gguf(default_model_path())
+    model, path = prepare_for_cpu(model, None, None)
+    eos = next(iter(tokenizer.eos_token_ids))
+    server_decode(stub, 16, eos)  # warm both sides once
+    library_decode(model, tokenizer, 16, eos)
+    runs = {"grpc": [], "mlx_lm": []}
+    for i in range(rounds):
+        logger.info("overhead round %d/%d", i + 1, rounds)
+        runs["grpc"].append(server_decode(stub, tokens, eos))
+        runs["mlx_lm"].append(library_decode(model, tokenizer, tokens, eos))
+    health = health_latency(stub, tokens)
+    grpc_tps, lib_tps = (median_of(runs[k], "decode_tps") for k in ("grpc", "mlx_lm"))
+    ratio = grpc_tps / lib_tps
+    lines = [
+        f"1. server overhead: decode {tokens} tokens, median of {rounds} alternating "
+        f"rounds ({path.description})",
+        f"{'path':<28}{'decode tok/s':>14}{'TTFT s':>10}",
+        f"{'mlx-lm stream_generate':<28}{lib_tps:>14.2f}"
+        f"{median_of(runs['mlx_lm'], 'ttft_s'):>10.3f}",
+        f"{'gRPC PredictStream':<28}{grpc_tps:>14.2f}"
+        f"{median_of(runs['grpc'], 'ttft_s'):>10.3f}",
+        f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)",
+        f"Health during generation: p50 {health['p50_ms']:.2f} ms, "
+        f"p95 {health['p95_ms']:.2f} ms, max {health['max_ms']:.2f} ms "
+        f"over {health['samples']} calls",
+    ]
+    report = {"runs": runs, "grpc_over_mlx_lm": ratio, "health": health}
+    return report, lines
+
+
+def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[str]]:
+    eos = 2
+    prompt = long_prompt(stubs["fast"])
+    for stub in stubs.values():
+        server_decode(stub, 8, eos)  # warm
+    runs = {name: {"prefill": [], "decode": []} for name in stubs}
+    for i in range(rounds):
+        for name, stub in stubs.items():
+            logger.info("cpu paths round %d/%d: %s", i + 1, rounds, name)
+            runs[name]["prefill"].append(server_prefill(stub, prompt))
+            runs[name]["decode"].append(server_decode(stub, tokens, eos))
+    summary = {}
+    for name, stub in stubs.items():
+        breakdown = stub.Status(pb.HealthMessage()).memory.breakdown
+        summary[name] = {
+            "prefill_tps": median_of(runs[name]["prefill"], "prefill_tps"),
+            "decode_tps": median_of(runs[name]["decode"], "decode_tps"),
+            "peak_mb": breakdown["peak"] / 2**20,
+        }
+    stock, fast = summary["stock"], summary["fast"]
+    lines = [
+        f"2. CPU paths: prefill {runs['fast']['prefill'][0]['prompt_tokens']} tokens, "
+        f"decode {tokens} tokens, median of {rounds} alternating rounds",
+        f"{'path':<12}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak MiB':>10}",
+    ]
+    for name in ("stock", "fast"):
+        s = summary[name]
+        lines.append(
+            f"{name:<12}{s['prefill_tps']:>15.1f}{s['decode_tps']:>14.2f}"
+            f"{s['peak_mb']:>10.0f}"
+        )
+    lines.append(
+        f"fast / stock: prefill {fast['prefill_tps'] / stock['prefill_tps']:.1f}x, "
+        f"decode {fast['decode_tps'] / stock['decode_tps']:.2f}x"
+    )
+    return {"runs": runs, "summary": summary}, lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--tokens", type=int, default=128, help="tokens decoded per run"
-    )
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per decode")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu-rounds", type=int, default=2)
+    parser.add_argument("--skip-cpu", action="store_true", help="only part 1")
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    # The library side runs on the same compute path as the server.
+    maybe_reexec_with_fast_blas()
 
-    model, tokenizer, _ = load_gguf(default_model_path())
-    eos = next(iter(tokenizer.eos_token_ids))
-    with tempfile.TemporaryDirectory() as folder:
-        process, port = start_server(Path(folder) / "backend.log")
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = backend_pb2_grpc.BackendStub(channel)
-                # Warm both paths once before measuring.
-                server_decode(stub, 16, eos)
-                library_decode(model, tokenizer, 16, eos)
-                runs = {"grpc": [], "mlx_lm": []}
-                for i in range(args.rounds):
-                    logger.info("round %d/%d", i + 1, args.rounds)
-                    runs["grpc"].append(server_decode(stub, args.tokens, eos))
-                    runs["mlx_lm"].append(
-                        library_decode(model, tokenizer, args.tokens, eos)
-                    )
-                health = health_latency(stub, args.tokens)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(30)
+    report, lines = {}, []
+    with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
+        fast = stack.enter_context(running_server(folder, "fast"))
+        report["overhead"], part = bench_overhead(fast, args.rounds, args.tokens)
+        lines += part
+        if not args.skip_cpu and sys.platform == "linux":
+            stock = stack.enter_context(
+                running_server(folder, "stock", {"MLX_BACKEND_FAST_BLAS": "off"})
+            )
+            stubs = {"stock": stock, "fast": fast}
+            report["cpu_paths"], part = bench_cpu_paths(
+                stubs, args.cpu_rounds, args.tokens
+            )
+            lines += [""] + part
 
-    summary = {
-        name: {
-            "decode_tps": statistics.median(r["decode_tps"] for r in results),
-            "ttft_s": statistics.median(r["ttft_s"] for r in results),
-            "tokens": results[0]["tokens"],
-        }
-        for name, results in runs.items()
-    }
-    ratio = summary["grpc"]["decode_tps"] / summary["mlx_lm"]["decode_tps"]
-    report = {
-        "runs": runs,
-        "summary": summary,
-        "grpc_over_mlx_lm": ratio,
-        "health": health,
-    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-
-    lines = [
-        f"decode, {args.tokens} tokens, median of {args.rounds} alternating rounds",
-        f"{'path':<28}{'decode tok/s':>14}{'TTFT s':>10}",
-    ]
-    for name, label in (
-        ("mlx_lm", "mlx-lm stream_generate"),
-        ("grpc", "gRPC PredictStream"),
-    ):
-        s = summary[name]
-        lines.append(f"{label:<28}{s['decode_tps']:>14.2f}{s['ttft_s']:>10.3f}")
-    lines.append(
-        f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)"
-    )
-    lines.append(
-        f"Health during generation: p50 {health['p50_ms']:.2f} ms, p95 {health['p95_ms']:.2f} ms, "
-        f"max {health['max_ms']:.2f} ms over {health['samples']} calls"
-    )
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
 
 
