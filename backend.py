@@ -37,7 +37,7 @@ from python_utils import (
     Unimplemented,
     convert_messages,
     encode_prompt,
-    fast_blas_requested,
+    fast_blas_in_use,
     find_fast_blas,
     parse_duration,
     parse_logit_bias,
@@ -46,6 +46,7 @@ from python_utils import (
     parse_tools,
     preload_environment,
     render_chat,
+    switched_off,
 )
 
 logger = logging.getLogger(__name__)
@@ -380,12 +381,7 @@ def create_server(
 
 def parent_watch_interval() -> float | None:
     """Seconds between parent checks, or None when the watch is off."""
-    if os.environ.get(PARENT_WATCH_ENV, "true").strip().lower() in (
-        "false",
-        "0",
-        "no",
-        "off",
-    ):
+    if switched_off(os.environ, PARENT_WATCH_ENV):
         return None
     raw = os.environ.get(PARENT_WATCH_INTERVAL_ENV, "2s")
     try:
@@ -455,9 +451,9 @@ def maybe_reexec_with_fast_blas() -> None:
     MLX binds its BLAS at load time, so the choice has to be made before it
     loads; ``MLX_BACKEND_FAST_BLAS=off`` keeps the bundled reference BLAS.
     """
-    if sys.platform != "linux" or not fast_blas_requested(os.environ):
+    if sys.platform != "linux" or switched_off(os.environ, FAST_BLAS_ENV):
         return
-    if os.environ.get(FAST_BLAS_ENV, "").startswith("/"):
+    if fast_blas_in_use(os.environ):
         return  # already restarted with it
     if (
         not _installed("mlx-cpu")

@@ -22,7 +22,7 @@ from mlx_lm.utils import dequantize_model, get_total_parameters
 from mlx_lm.utils import load as load_mlx_folder
 
 from gguf_loader import load_gguf
-from python_utils import FAST_BLAS_ENV
+from python_utils import fast_blas_in_use, switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +162,6 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def fast_blas_in_use() -> str | None:
-    """The fast BLAS this process was started with (see backend.py), if any."""
-    library = os.environ.get(FAST_BLAS_ENV, "")
-    return library if library.startswith("/") else None
-
-
 def float32_bytes(model: nn.Module) -> int:
     return get_total_parameters(model) * 4
 
@@ -205,32 +199,24 @@ def prepare_for_cpu(
     """
     if mx.default_device().type != mx.cpu:
         return model, ComputePath("GPU, weights as loaded")
-    blas = fast_blas_in_use()
+    blas = fast_blas_in_use(os.environ)
     blas_text = f"BLAS {blas}" if blas else "MLX's bundled reference BLAS"
     fast = blas is not None
     if not is_quantized(model):
         return model, ComputePath(f"CPU, {blas_text}, unquantized weights", fast)
-    if os.environ.get(DEQUANTIZE_ENV, "").strip().lower() in (
-        "0",
-        "false",
-        "no",
-        "off",
-    ):
+    if switched_off(os.environ, DEQUANTIZE_ENV):
         dequantize = False
     budget = max_bytes or int(physical_memory() * DEQUANTIZE_MEMORY_FRACTION)
     needed = float32_bytes(model)
     if dequantize is None:
         dequantize = blas is not None and needed <= budget
     if not dequantize:
-        why = (
-            "off"
-            if blas is not None and needed <= budget
-            else (
-                "no fast BLAS"
-                if blas is None
-                else f"{needed} bytes over the budget of {budget}"
-            )
-        )
+        if blas is None:
+            why = "no fast BLAS"
+        elif needed > budget:
+            why = f"{needed} bytes over the budget of {budget}"
+        else:
+            why = "off"
         return model, ComputePath(
             f"CPU, {blas_text}, quantized kernels (dequantize: {why})", fast
         )

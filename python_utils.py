@@ -5,6 +5,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ class LoadOptions:
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def switched_off(environ, name: str) -> bool:
+    """Whether environment switch ``name`` is set to false/0/no/off."""
+    return environ.get(name, "").strip().lower() in _FALSE
 
 
 def parse_bool(text: str) -> bool:
@@ -293,23 +299,15 @@ FAST_BLAS_CANDIDATES = (
 FAST_BLAS_PACKAGE = "libopenblas0-pthread"
 
 
-def fast_blas_requested(environ) -> bool:
-    """Whether the fast-BLAS switch is on (default on; false/0/no/off turn it off)."""
-    return environ.get(FAST_BLAS_ENV, "auto").strip().lower() not in _FALSE
+def fast_blas_in_use(environ) -> str | None:
+    """The fast BLAS this process was restarted with (see backend.py), if any."""
+    library = environ.get(FAST_BLAS_ENV, "")
+    return library if library.startswith("/") else None
 
 
-def find_fast_blas(candidates=FAST_BLAS_CANDIDATES, extra_dirs=()) -> str | None:
+def find_fast_blas(candidates=FAST_BLAS_CANDIDATES) -> str | None:
     """The first fast BLAS library present on this machine."""
-    from pathlib import Path
-
-    for folder in extra_dirs:
-        for name in ("libopenblas.so.0", "libmkl_rt.so.2", "libmkl_rt.so"):
-            if (Path(folder) / name).exists():
-                return str(Path(folder) / name)
-    for path in candidates:
-        if Path(path).exists():
-            return path
-    return None
+    return next((path for path in candidates if Path(path).exists()), None)
 
 
 def preload_environment(environ, library: str) -> dict:

@@ -14,7 +14,7 @@ from python_utils import (
     TemplateArgs,
     convert_messages,
     encode_prompt,
-    fast_blas_requested,
+    fast_blas_in_use,
     find_fast_blas,
     parse_duration,
     parse_logit_bias,
@@ -24,6 +24,7 @@ from python_utils import (
     parse_tools,
     preload_environment,
     render_chat,
+    switched_off,
 )
 
 WIRE_REFERENCE = (
@@ -59,13 +60,19 @@ def test_parse_options_dequantize_switches():
 
 
 def test_fast_blas_switch_and_discovery(tmp_path):
-    assert fast_blas_requested({})
-    assert fast_blas_requested({FAST_BLAS_ENV: "auto"})
-    assert not fast_blas_requested({FAST_BLAS_ENV: "off"})
+    assert not switched_off({}, FAST_BLAS_ENV)
+    assert not switched_off({FAST_BLAS_ENV: "auto"}, FAST_BLAS_ENV)
+    for word in ("off", "false", "0", "No"):
+        assert switched_off({FAST_BLAS_ENV: word}, FAST_BLAS_ENV)
+    assert fast_blas_in_use({}) is None
+    assert fast_blas_in_use({FAST_BLAS_ENV: "auto"}) is None
+    assert (
+        fast_blas_in_use({FAST_BLAS_ENV: "/x/libopenblas.so.0"})
+        == "/x/libopenblas.so.0"
+    )
     assert find_fast_blas(candidates=(str(tmp_path / "missing.so"),)) is None
     library = tmp_path / "libopenblas.so.0"
     library.write_bytes(b"")
-    assert find_fast_blas(candidates=(), extra_dirs=(tmp_path,)) == str(library)
     assert find_fast_blas(candidates=("/nope.so", str(library))) == str(library)
 
 
