@@ -22,8 +22,9 @@ STUBS := backend_pb2.py backend_pb2_grpc.py
 
 install: $(VENV)/.installed $(STUBS) fast-blas
 
-# Linux CPU: Debian's OpenBLAS makes MLX's float32 matmuls several times faster
-# (backend.py preloads it). Best effort: a machine without apt or root keeps going.
+# Linux CPU: requirements-cpu.txt brings MKL on x86_64; Debian's OpenBLAS is the fast
+# BLAS elsewhere and the fallback (backend.py preloads one). Best effort: a machine
+# without apt or root keeps going.
 fast-blas:
 ifeq ($(BUILD_TYPE),cpu)
 	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*/libopenblas.so.0 /usr/lib*/libopenblas.so.0 >/dev/null 2>&1; then \

@@ -28,7 +28,7 @@ import backend_pb2_grpc
 from engine import Engine, Finished, GenerationRequest, ModelInfo, SamplingParams
 from python_utils import (
     FAST_BLAS_ENV,
-    FAST_BLAS_PACKAGE,
+    FAST_BLAS_INSTALL,
     Aborted,
     BackendError,
     FailedPrecondition,
@@ -449,7 +449,9 @@ def maybe_reexec_with_fast_blas() -> None:
     """On Linux CPU, restart once with a fast BLAS preloaded in place of MLX's own.
 
     MLX binds its BLAS at load time, so the choice has to be made before it
-    loads; ``MLX_BACKEND_FAST_BLAS=off`` keeps the bundled reference BLAS.
+    loads. ``MLX_BACKEND_FAST_BLAS`` picks it: ``auto`` (default: MKL, then
+    OpenBLAS), ``mkl``, ``openblas``, a library path, or ``off`` for the bundled
+    reference BLAS.
     """
     if sys.platform != "linux" or switched_off(os.environ, FAST_BLAS_ENV):
         return
@@ -461,12 +463,19 @@ def maybe_reexec_with_fast_blas() -> None:
         or _installed("mlx-cuda-13")
     ):
         return  # CUDA builds do their matmuls on the GPU
-    library = find_fast_blas()
+    choice = os.environ.get(FAST_BLAS_ENV, "auto")
+    try:
+        library = find_fast_blas(choice)
+    except ValueError as e:
+        logger.warning("%s; using auto", e)
+        library = find_fast_blas()
     if library is None:
         logger.warning(
-            "no fast BLAS found: the CPU path stays slow. Install it with "
-            "'apt-get install %s' (or 'make install' as root)",
-            FAST_BLAS_PACKAGE,
+            "no fast BLAS found for %s=%s: the CPU path stays slow. "
+            "For full speed: %s (or 'make install' as root)",
+            FAST_BLAS_ENV,
+            choice,
+            FAST_BLAS_INSTALL,
         )
         return
     logger.info("restarting with %s preloaded for MLX's matmuls", library)

@@ -4,9 +4,9 @@
 1. Server overhead: gRPC PredictStream against mlx-lm's own stream_generate on
    the same compute path, greedy, with EOS banned so every run decodes the same
    number of tokens; plus Health latency while a long generation streams.
-2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels) against
-   the fast path (fast BLAS, float32 weights): prefill on a 1000-token prompt,
-   decode, and peak memory.
+2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels), float32
+   weights on OpenBLAS, and the fast path that ``auto`` picks (MKL on x86_64):
+   prefill on a 1000-token prompt, decode, and peak memory.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json.
@@ -36,6 +36,7 @@ import backend_pb2_grpc
 from backend import maybe_reexec_with_fast_blas
 from gguf_loader import load_gguf
 from mlx_utils import default_model_path, prepare_for_cpu
+from python_utils import blas_choice_environment, fast_blas_in_use, find_fast_blas
 
 logger = logging.getLogger(__name__)
 
@@ -215,22 +216,24 @@ def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[s
             "decode_tps": median_of(runs[name]["decode"], "decode_tps"),
             "peak_mb": breakdown["peak"] / 2**20,
         }
-    stock, fast = summary["stock"], summary["fast"]
+    stock = summary["stock"]
     lines = [
         f"2. CPU paths: prefill {runs['fast']['prefill'][0]['prompt_tokens']} tokens, "
         f"decode {tokens} tokens, median of {rounds} alternating rounds",
         f"{'path':<12}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak MiB':>10}",
     ]
-    for name in ("stock", "fast"):
-        s = summary[name]
+    for name, s in summary.items():
         lines.append(
             f"{name:<12}{s['prefill_tps']:>15.1f}{s['decode_tps']:>14.2f}"
             f"{s['peak_mb']:>10.0f}"
         )
-    lines.append(
-        f"fast / stock: prefill {fast['prefill_tps'] / stock['prefill_tps']:.1f}x, "
-        f"decode {fast['decode_tps'] / stock['decode_tps']:.2f}x"
-    )
+    for name, s in summary.items():
+        if name != "stock":
+            prefill = s["prefill_tps"] / stock["prefill_tps"]
+            decode = s["decode_tps"] / stock["decode_tps"]
+            lines.append(
+                f"{name} / stock: prefill {prefill:.1f}x, decode {decode:.2f}x"
+            )
     return {"runs": runs, "summary": summary}, lines
 
 
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     # The library side runs on the same compute path as the server.
     maybe_reexec_with_fast_blas()
+    fast_library = fast_blas_in_use(os.environ)
 
     report, lines = {}, []
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
@@ -252,10 +256,14 @@ def main(argv: list[str] | None = None) -> None:
         report["overhead"], part = bench_overhead(fast, args.rounds, args.tokens)
         lines += part
         if not args.skip_cpu and sys.platform == "linux":
-            stock = stack.enter_context(
-                running_server(folder, "stock", {"MLX_BACKEND_FAST_BLAS": "off"})
-            )
-            stubs = {"stock": stock, "fast": fast}
+            # The stock path, OpenBLAS where "auto" picked MKL, and the fast path.
+            stubs = {}
+            for name, choice in (("stock", "off"), ("openblas", "openblas")):
+                library = find_fast_blas(choice) if choice != "off" else None
+                if choice == "off" or library not in (None, fast_library):
+                    env = blas_choice_environment(os.environ, choice)
+                    stubs[name] = stack.enter_context(running_server(folder, name, env))
+            stubs["fast"] = fast
             report["cpu_paths"], part = bench_cpu_paths(
                 stubs, args.cpu_rounds, args.tokens
             )

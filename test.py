@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -19,7 +20,7 @@ import pytest
 import backend_pb2 as pb
 import backend_pb2_grpc
 from mlx_utils import default_model_path
-from python_utils import FAST_BLAS_PACKAGE, find_fast_blas
+from python_utils import FAST_BLAS_INSTALL, find_fast_blas
 
 HERE = Path(__file__).resolve().parent
 QUESTION = "What is the capital of France?"
@@ -333,11 +334,14 @@ def test_linux_cpu_runs_the_fast_path(server):
     """With the fast BLAS installed (make install), the default model is dequantized."""
     if sys.platform != "linux" or mx.default_device().type != mx.cpu:
         pytest.skip("the fast CPU path is for Linux CPU")
-    assert find_fast_blas(), f"{FAST_BLAS_PACKAGE} is not installed: run make install"
+    library = find_fast_blas()
+    assert library, f"no fast BLAS is installed: {FAST_BLAS_INSTALL}"
+    if platform.machine() == "x86_64":
+        assert "libmkl_rt" in library, "requirements-cpu.txt installs MKL on x86_64"
     breakdown = server.stub.Status(pb.HealthMessage()).memory.breakdown
     assert breakdown["fast_blas"] == 1
     assert breakdown["dequantized_weights"] > 500_000_000
-    assert "preloaded for MLX's matmuls" in server.logs()
+    assert f"restarting with {library} preloaded" in server.logs()
     assert "weights dequantized to float32" in server.logs()
     # The reference answer on the fast path.
     assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
@@ -354,13 +358,21 @@ def test_dequantize_option_off_keeps_quantized_kernels(server):
         assert server.stub.LoadModel(pb.ModelOptions()).success
 
 
-def test_stock_path_when_fast_blas_is_switched_off():
-    srv = Server("--model", "default", env={"MLX_BACKEND_FAST_BLAS": "off"})
+@pytest.mark.parametrize("choice", ["off", "openblas"])
+def test_other_blas_choices_give_the_reference_answer(choice):
+    """The stock path, and OpenBLAS in place of MKL, answer the same."""
+    if choice != "off" and not find_fast_blas(choice):
+        pytest.skip(f"{choice} is not installed")
+    srv = Server("--model", "default", env={"MLX_BACKEND_FAST_BLAS": choice})
     try:
         srv.wait_for(pb.StatusResponse.READY)
         breakdown = srv.stub.Status(pb.HealthMessage()).memory.breakdown
-        assert (breakdown["fast_blas"], breakdown["dequantized_weights"]) == (0, 0)
-        assert "preloaded" not in srv.logs()
+        if choice == "off":
+            assert (breakdown["fast_blas"], breakdown["dequantized_weights"]) == (0, 0)
+            assert "preloaded" not in srv.logs()
+        else:
+            assert breakdown["fast_blas"] == 1
+            assert f"restarting with {find_fast_blas(choice)} preloaded" in srv.logs()
         assert srv.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
     finally:
         srv.stop()

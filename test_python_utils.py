@@ -12,6 +12,7 @@ from python_utils import (
     InvalidArgument,
     LoadOptions,
     TemplateArgs,
+    blas_choice_environment,
     convert_messages,
     encode_prompt,
     fast_blas_in_use,
@@ -66,14 +67,28 @@ def test_fast_blas_switch_and_discovery(tmp_path):
         assert switched_off({FAST_BLAS_ENV: word}, FAST_BLAS_ENV)
     assert fast_blas_in_use({}) is None
     assert fast_blas_in_use({FAST_BLAS_ENV: "auto"}) is None
+    # A path counts only once it is preloaded, i.e. after the restart.
+    assert fast_blas_in_use({FAST_BLAS_ENV: "/x/libopenblas.so.0"}) is None
     assert (
-        fast_blas_in_use({FAST_BLAS_ENV: "/x/libopenblas.so.0"})
+        fast_blas_in_use(preload_environment({}, "/x/libopenblas.so.0"))
         == "/x/libopenblas.so.0"
     )
-    assert find_fast_blas(candidates=(str(tmp_path / "missing.so"),)) is None
-    library = tmp_path / "libopenblas.so.0"
-    library.write_bytes(b"")
-    assert find_fast_blas(candidates=("/nope.so", str(library))) == str(library)
+
+
+def test_find_fast_blas_by_family_and_path(tmp_path):
+    mkl, openblas = tmp_path / "libmkl_rt.so.3", tmp_path / "libopenblas.so.0"
+    candidates = {"mkl": (str(mkl),), "openblas": ("/nope.so", str(openblas))}
+    assert find_fast_blas(candidates=candidates) is None
+    openblas.write_bytes(b"")
+    assert find_fast_blas(candidates=candidates) == str(openblas)
+    assert find_fast_blas("mkl", candidates) is None
+    mkl.write_bytes(b"")
+    assert find_fast_blas("auto", candidates) == str(mkl)
+    assert find_fast_blas("OpenBLAS", candidates) == str(openblas)
+    assert find_fast_blas(str(openblas), candidates) == str(openblas)
+    assert find_fast_blas(str(tmp_path / "missing.so"), candidates) is None
+    with pytest.raises(ValueError, match=f"{FAST_BLAS_ENV}='atlas'"):
+        find_fast_blas("atlas", candidates)
 
 
 def test_preload_environment_keeps_other_preloads():
@@ -85,6 +100,9 @@ def test_preload_environment_keeps_other_preloads():
     }
     again = preload_environment(env, "/blas.so")
     assert again["LD_PRELOAD"] == "/blas.so /a.so"
+    # A child told to choose again loses this process's BLAS, not the others.
+    child = blas_choice_environment(env, "off")
+    assert child == {"LD_PRELOAD": "/a.so", "PATH": "/bin", FAST_BLAS_ENV: "off"}
 
 
 def test_parse_options_ignores_unknown_keys():
