@@ -425,6 +425,10 @@ class Engine:
                 loaded.model, options.dequantize, options.dequantize_max_bytes
             )
             loaded = dataclasses.replace(loaded, model=model)
+            if options.prefill_step_size is None:
+                options = dataclasses.replace(
+                    options, prefill_step_size=compute_path.prefill_step_size
+                )
             logger.info("compute path: %s", compute_path.description)
             config_limit = loaded.config.get("max_position_embeddings") or 4096
             info = ModelInfo(

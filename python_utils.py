@@ -49,7 +49,8 @@ class LoadOptions:
     presence_penalty: float | None = None
     repetition_context_size: int = 64
     max_tokens: int | None = None
-    prefill_step_size: int = 512
+    # None: the compute path's default (mlx_utils.ComputePath).
+    prefill_step_size: int | None = None
     max_kv_size: int | None = None
     enable_thinking: bool | None = None
     trust_remote_code: bool = False
