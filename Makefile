@@ -31,9 +31,9 @@ ifeq ($(BUILD_TYPE),cpu)
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
 	    || (apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1) \
-	    || echo "warning: could not install libopenblas0-pthread; the CPU path stays slow"; \
+	    || echo "warning: could not install libopenblas0-pthread; without MKL (x86_64) the CPU path stays slow"; \
 	  else \
-	    echo "note: install libopenblas0-pthread (apt-get, as root) for the fast CPU path"; \
+	    echo "note: without MKL (x86_64), install libopenblas0-pthread (apt-get, as root) for the fast CPU path"; \
 	  fi; \
 	fi
 endif
