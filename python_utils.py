@@ -304,11 +304,14 @@ FAST_BLAS_CANDIDATES = {
         "/usr/lib/libopenblas.so.0",
     ),
 }
-FAST_BLAS_INSTALL = "pip install -r requirements-cpu.txt (MKL, x86_64) or apt-get install libopenblas0-pthread"
+FAST_BLAS_INSTALL = (
+    "pip install -r requirements-cpu.txt (MKL, x86_64) "
+    "or apt-get install libopenblas0-pthread"
+)
 
 
 def fast_blas_in_use(environ) -> str | None:
-    """The fast BLAS this process runs with (preloaded by backend.py's restart), if any."""
+    """The fast BLAS this process runs with (preloaded by backend.py's restart)."""
     library = environ.get(FAST_BLAS_ENV, "")
     preloaded = environ.get("LD_PRELOAD", "").split()
     return library if library.startswith("/") and library in preloaded else None
@@ -325,10 +328,10 @@ def find_fast_blas(choice: str = "auto", candidates=FAST_BLAS_CANDIDATES) -> str
     Raises:
         ValueError: ``choice`` is neither a family nor a path.
     """
-    choice = choice.strip().lower() or "auto"
+    choice = choice.strip() or "auto"
     if choice.startswith("/"):
         paths = (choice,)
-    elif choice == "auto":
+    elif (choice := choice.lower()) == "auto":
         paths = tuple(p for family in candidates.values() for p in family)
     elif choice in candidates:
         paths = candidates[choice]

@@ -76,7 +76,11 @@ def test_fast_blas_switch_and_discovery(tmp_path):
 
 
 def test_find_fast_blas_by_family_and_path(tmp_path):
-    mkl, openblas = tmp_path / "libmkl_rt.so.3", tmp_path / "libopenblas.so.0"
+    mkl, openblas = (
+        tmp_path / "libmkl_rt.so.3",
+        tmp_path / "OpenBLAS" / "libopenblas.so.0",
+    )
+    openblas.parent.mkdir()
     candidates = {"mkl": (str(mkl),), "openblas": ("/nope.so", str(openblas))}
     assert find_fast_blas(candidates=candidates) is None
     openblas.write_bytes(b"")
