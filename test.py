@@ -383,6 +383,27 @@ def test_other_blas_choices_give_the_same_tokens(server, choice):
 
 
 @pytest.mark.parametrize(
+    "choice, logged",
+    [
+        ("atlas", "MLX_BACKEND_FAST_BLAS='atlas': expected one of auto, off, mkl"),
+        ("/nowhere/libblas.so", "no fast BLAS found for MLX_BACKEND_FAST_BLAS=/now"),
+    ],
+)
+def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
+    if sys.platform != "linux" or mx.default_device().type != mx.cpu:
+        pytest.skip("the fast CPU path is for Linux CPU")
+    srv = Server(env={"MLX_BACKEND_FAST_BLAS": choice})
+    try:
+        srv.wait_for(pb.StatusResponse.UNINITIALIZED)
+        assert logged in srv.logs()
+        # An unknown name falls back to auto; a missing library to the stock BLAS.
+        restarted = f"restarting with {find_fast_blas()} preloaded"
+        assert (restarted in srv.logs()) == (choice == "atlas")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
     "rpc, request_type",
     [
         ("Embedding", pb.PredictOptions),
