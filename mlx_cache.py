@@ -1,0 +1,165 @@
+"""The prompt cache: a thread-safe trie LRU of KV caches keyed by token ids.
+
+Chat turns and agent loops resend the same long prefix, so the engine keeps the KV
+caches of recent sequences and a new request only prefills what is new. The trie
+search is mlx-lm's ``PromptTrie``; this module adds reference counts, extraction,
+LRU eviction by entry count and by bytes, and a lock.
+
+Thread ownership: the MLX arrays inside entries are created, trimmed, copied and
+evaluated only on the engine thread. Other threads may call ``clear``, ``len`` and
+the size properties; the lock keeps the trie, the LRU order and the counters
+consistent whichever threads call in.
+"""
+
+import copy
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import PromptTrie
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    prompt_cache: list
+    nbytes: int
+    count: int = 1
+
+
+def cache_nbytes(prompt_cache: Sequence[Any]) -> int:
+    """Bytes held by the KV arrays of a per-layer list of caches."""
+    return sum(layer.nbytes for layer in prompt_cache)
+
+
+class ThreadSafeLRUPromptCache:
+    """KV caches keyed by ``(model_key, token ids)``, reused by prefix.
+
+    Args:
+        max_size: The most entries kept; the least recently used go first.
+        can_trim_fn: ``can_trim_fn(prompt_cache) -> bool``; without it, longer
+          entries are never trimmed to serve a shorter prompt.
+        trim_fn: ``trim_fn(prompt_cache, n)`` drops the last ``n`` tokens.
+        max_bytes: The most bytes of KV arrays kept; an entry larger than this
+          is not kept at all.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        can_trim_fn: Callable[[list], bool] | None = None,
+        trim_fn: Callable[[list, int], Any] | None = None,
+        max_bytes: int = 1 << 62,
+    ):
+        self.max_size = max_size
+        self.max_bytes = max_bytes
+        self._can_trim = can_trim_fn
+        self._trim = trim_fn
+        self._trie = PromptTrie()
+        self._lru: OrderedDict[tuple[Hashable, tuple[int, ...]], _Entry] = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def len(self) -> int:
+        return len(self)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._nbytes
+
+    def fetch_nearest_cache(
+        self, model_key: Hashable, tokens: Sequence[int]
+    ) -> tuple[list | None, list[int]]:
+        """The cache that covers the longest prefix of ``tokens``, and the rest.
+
+        An exact or shorter entry is taken out of the cache (or deep-copied when it
+        is shared); a longer entry is copied and trimmed back to the common prefix
+        and stays in place.
+
+        Returns:
+            ``(prompt_cache, remaining_tokens)``, or ``(None, tokens)`` on a miss.
+        """
+        tokens = list(tokens)
+        with self._lock:
+            found = self._trie.search(model_key, tokens)
+            if found.exact is not None:
+                return self._take(model_key, found.exact), []
+            # A match needs two tokens or more; the trie reports shorter ones so.
+            shorter = len(found.shorter) if found.shorter is not None else 0
+            if (
+                found.longer is not None
+                and found.common_prefix > max(shorter, 1)
+                and self._can_trim is not None
+            ):
+                key = (model_key, tuple(found.longer))
+                entry = self._lru[key]
+                if self._can_trim(entry.prompt_cache):
+                    self._lru.move_to_end(key)
+                    cache = copy.deepcopy(entry.prompt_cache)
+                    self._trim(cache, len(found.longer) - found.common_prefix)
+                    return cache, tokens[found.common_prefix :]
+            if shorter:
+                return self._take(model_key, found.shorter), tokens[shorter:]
+            return None, tokens
+
+    def insert_cache(
+        self, model_key: Hashable, tokens: Sequence[int], prompt_cache: list
+    ) -> None:
+        """Keep ``prompt_cache`` as the KV state of ``tokens``.
+
+        Inserting tokens that are already cached counts one more holder of that
+        entry instead of storing a second copy.
+        """
+        key = (model_key, tuple(tokens))
+        nbytes = cache_nbytes(prompt_cache)
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:
+                entry.count += 1
+                self._lru.move_to_end(key)
+                return
+            if nbytes > self.max_bytes or self.max_size < 1:
+                logger.debug("not caching %d tokens (%d bytes)", len(tokens), nbytes)
+                return
+            entry = _Entry(prompt_cache, nbytes)
+            self._trie.add(model_key, key[1], entry)
+            self._lru[key] = entry
+            self._nbytes += nbytes
+            if self._can_trim is not None and self._can_trim(prompt_cache):
+                # A trimmable entry serves all its prefixes, so they only take space.
+                for length, prefix in self._trie.pop_prefixes(model_key, key[1]):
+                    self._forget((model_key, key[1][:length]), prefix)
+            while len(self._lru) > self.max_size or self._nbytes > self.max_bytes:
+                old_key, old = self._lru.popitem(last=False)
+                self._trie.pop(*old_key)
+                self._nbytes -= old.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._trie = PromptTrie()
+            self._lru.clear()
+            self._nbytes = 0
+
+    def _take(self, model_key: Hashable, tokens: Sequence[int]) -> list:
+        key = (model_key, tuple(tokens))
+        entry = self._lru[key]
+        if entry.count > 1:
+            entry.count -= 1
+            self._lru.move_to_end(key)
+            return copy.deepcopy(entry.prompt_cache)
+        self._trie.pop(model_key, key[1])
+        self._forget(key, entry)
+        return entry.prompt_cache
+
+    def _forget(self, key, entry: _Entry) -> None:
+        del self._lru[key]
+        self._nbytes -= entry.nbytes
