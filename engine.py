@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import TextStateMachine, generate_step
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
+from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import (
     ComputePath,
     LoadedModel,
@@ -29,6 +35,7 @@ from mlx_utils import (
     make_processors,
     make_seeded_sampler,
     memory_snapshot,
+    physical_memory,
     prepare_for_cpu,
     release_memory,
 )
@@ -38,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # Memory readings are refreshed every this many decode steps.
 STATS_INTERVAL = 16
+# The share of physical memory the prompt cache may take by default.
+PROMPT_CACHE_MEMORY_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -141,12 +150,34 @@ class _Sequence:
     """One request's decoding state on the engine thread."""
 
     def __init__(
-        self, request: GenerationRequest, stream: RequestStream, loaded, options
+        self,
+        request: GenerationRequest,
+        stream: RequestStream,
+        loaded,
+        options,
+        prompt_cache: ThreadSafeLRUPromptCache,
     ):
         tokenizer = loaded.tokenizer
         sampling = request.sampling
         self.request = request
         self.stream = stream
+        self.store = prompt_cache
+        self.kv_cache, rest = prompt_cache.fetch_nearest_cache(
+            request.model_generation, request.prompt
+        )
+        if self.kv_cache is not None and not rest:
+            # An exact hit still runs the last prompt token, for the next logits.
+            if can_trim_prompt_cache(self.kv_cache):
+                trim_prompt_cache(self.kv_cache, 1)
+                rest = request.prompt[-1:]
+            else:
+                self.kv_cache = None
+        if self.kv_cache is None:
+            self.kv_cache = make_prompt_cache(loaded.model, options.max_kv_size)
+            rest = request.prompt
+        self.reused = len(request.prompt) - len(rest)
+        # Every token the model has been given a step for, prompt first.
+        self.fed = list(request.prompt)
         logit_bias = sampling.logit_bias
         if request.ignore_eos:
             # As llama.cpp does: never sample EOS, rather than sampling past it.
@@ -164,7 +195,7 @@ class _Sequence:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.tokens = generate_step(
-            mx.array(request.prompt),
+            mx.array(rest),
             loaded.model,
             max_tokens=request.max_tokens,
             sampler=make_seeded_sampler(
@@ -182,7 +213,7 @@ class _Sequence:
                 sampling.repetition_context_size,
             ),
             prefill_step_size=options.prefill_step_size,
-            max_kv_size=options.max_kv_size,
+            prompt_cache=self.kv_cache,
             prompt_progress_callback=self._check_cancelled,
         )
 
@@ -199,6 +230,8 @@ class _Sequence:
             return self._finish("length")
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        # generate_step runs the step for a token before yielding it.
+        self.fed.append(token)
         if token in self.eos:
             return self._finish("stop")
         self.generated += 1
@@ -240,8 +273,22 @@ class _Sequence:
         )
         return True
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop generating and keep the KV cache for the next request to reuse."""
         self.tokens.close()
+        if failed:
+            try:
+                # A failed step can leave arrays that fail again when evaluated.
+                mx.eval([layer.state for layer in self.kv_cache])
+            except Exception:
+                logger.warning("not caching the KV state of a failed generation")
+                return
+        # Cancelled prefill keeps whole chunks, so the offset can fall short.
+        length = min(getattr(self.kv_cache[0], "offset", 0), len(self.fed))
+        if length > 1:
+            self.store.insert_cache(
+                self.request.model_generation, self.fed[:length], self.kv_cache
+            )
 
 
 class Engine:
@@ -257,6 +304,10 @@ class Engine:
         self._closed = False
         self.info: ModelInfo | None = None
         self.stats = EngineStats("uninitialized", 0, {})
+        self._prompt_cache = ThreadSafeLRUPromptCache(max_size=0)
+        # Prompt tokens served from the prompt cache, and those prefilled.
+        self._reused_tokens = 0
+        self._prefilled_tokens = 0
         self._thread = threading.Thread(
             target=self._run, name="mlx-engine", daemon=True
         )
@@ -348,12 +399,21 @@ class Engine:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
         try:
-            self._active.append(
-                _Sequence(request, stream, self._loaded, self.info.options)
+            seq = _Sequence(
+                request, stream, self._loaded, self.info.options, self._prompt_cache
             )
         except Exception as e:
             logger.exception("could not start a generation")
             stream.put(e)
+            return
+        self._active.append(seq)
+        self._reused_tokens += seq.reused
+        self._prefilled_tokens += len(request.prompt) - seq.reused
+        logger.info(
+            "prompt: %d tokens, %d from the prompt cache",
+            len(request.prompt),
+            seq.reused,
+        )
 
     def _run_call(self, fn, args, future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -378,15 +438,16 @@ class Engine:
                 logger.exception("generation failed")
                 # Without its traceback the error holds no MLX arrays on the loop thread.
                 seq.stream.put(e.with_traceback(None))
-                done = True
+                self._retire(seq, failed=True)
+                continue
             if done:
                 self._retire(seq)
         self._steps += 1
         if self._steps % STATS_INTERVAL == 0:
             self._publish()
 
-    def _retire(self, seq: _Sequence) -> None:
-        seq.close()
+    def _retire(self, seq: _Sequence, failed: bool = False) -> None:
+        seq.close(failed)
         self._active.remove(seq)
         if not self._active:
             self._publish()
@@ -403,10 +464,17 @@ class Engine:
         memory = memory_snapshot()
         if self.info is not None:
             memory.update(self.info.compute_path.breakdown())
+        memory.update(
+            prompt_cache_entries=len(self._prompt_cache),
+            prompt_cache_bytes=self._prompt_cache.nbytes,
+            prompt_cache_reused_tokens=self._reused_tokens,
+            prompt_tokens_prefilled=self._prefilled_tokens,
+        )
         self.stats = EngineStats(state, len(self._active), memory)
 
     def _unload(self) -> None:
         self._abort_all("the model was unloaded")
+        self._prompt_cache.clear()
         self._loaded = None
         self.info = None
         self._generation += 1
@@ -447,6 +515,16 @@ class Engine:
             raise
         self._loaded, self.info = loaded, info
         self._generation = info.generation
+        self._prompt_cache = ThreadSafeLRUPromptCache(
+            max_size=options.max_cache_entries,
+            can_trim_fn=can_trim_prompt_cache,
+            trim_fn=trim_prompt_cache,
+            max_bytes=(
+                int(physical_memory() * PROMPT_CACHE_MEMORY_FRACTION)
+                if options.max_cache_bytes is None
+                else options.max_cache_bytes
+            ),
+        )
         self._state = "ready"
         return info
 

@@ -52,6 +52,9 @@ class LoadOptions:
     # None: the compute path's default (mlx_utils.ComputePath).
     prefill_step_size: int | None = None
     max_kv_size: int | None = None
+    # The prompt cache: 0 entries turns it off; bytes default to a share of RAM.
+    max_cache_entries: int = 10
+    max_cache_bytes: int | None = None
     enable_thinking: bool | None = None
     trust_remote_code: bool = False
     # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
@@ -118,8 +121,10 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         value = getattr(parsed, name)
         if value is not None and value < 1:
             raise InvalidArgument(f"Options: {name} must be at least 1")
-    if parsed.max_tokens is not None and parsed.max_tokens < 0:
-        raise InvalidArgument("Options: max_tokens must not be negative")
+    for name in ("max_tokens", "max_cache_entries", "max_cache_bytes"):
+        value = getattr(parsed, name)
+        if value is not None and value < 0:
+            raise InvalidArgument(f"Options: {name} must not be negative")
     return parsed
 
 
