@@ -7,6 +7,9 @@
 2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels), float32
    weights on OpenBLAS, and the fast path that ``auto`` picks (MKL on x86_64):
    prefill on a 1000-token prompt, decode, and peak memory.
+3. Prompt cache: time to first token for a ~1500-token prompt, cold and warm (after
+   a request that shared its prefix), and the prompt tokens actually prefilled over
+   a 6-turn chat against the tokens new in each turn.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json.
@@ -109,9 +112,14 @@ def server_prefill(stub, prompt: str) -> dict:
     }
 
 
-def long_prompt(stub) -> str:
-    """Text of exactly PREFILL_TOKENS tokens."""
-    ids = stub.TokenizeString(pb.PredictOptions(Prompt=LONG_TEXT * 60)).tokens
+def long_prompt(stub, round: int) -> str:
+    """Text of exactly PREFILL_TOKENS tokens, opening differently in each round.
+
+    A new opening keeps the prompt cache from serving a round what an earlier one
+    prefilled.
+    """
+    text = f"Round {round}. " + LONG_TEXT * 60
+    ids = stub.TokenizeString(pb.PredictOptions(Prompt=text)).tokens
     return stub.Detokenize(pb.DetokenizeRequest(tokens=ids[:PREFILL_TOKENS])).content
 
 
@@ -199,11 +207,11 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
 
 def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[str]]:
     eos = 2
-    prompt = long_prompt(stubs["fast"])
     for stub in stubs.values():
         server_decode(stub, 8, eos)  # warm
     runs = {name: {"prefill": [], "decode": []} for name in stubs}
     for i in range(rounds):
+        prompt = long_prompt(stubs["fast"], i)
         for name, stub in stubs.items():
             logger.info("cpu paths round %d/%d: %s", i + 1, rounds, name)
             runs[name]["prefill"].append(server_prefill(stub, prompt))
@@ -237,12 +245,92 @@ def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[s
     return {"runs": runs, "summary": summary}, lines
 
 
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "And what river runs through it?",
+    "Name one famous museum there.",
+    "What is a popular dish in that city?",
+    "How do people usually travel around the city?",
+    "Give me one tip for a first visit.",
+]
+
+
+def cache_counter(stub, name: str) -> int:
+    return stub.Status(pb.HealthMessage()).memory.breakdown[name]
+
+
+def stream_ttft(stub, request: pb.PredictOptions) -> float:
+    """Seconds to the first streamed reply.
+
+    The stream is read to its end, so the request is retired and its KV state
+    cached before the next request arrives.
+    """
+    start = time.perf_counter()
+    first = None
+    for _ in stub.PredictStream(request):
+        first = first or time.perf_counter() - start
+    return first
+
+
+def bench_prompt_cache(stub, rounds: int) -> tuple[dict, list[str]]:
+    base = LONG_TEXT * 57
+    cold, warm, prompt_tokens = [], [], 0
+    for i in range(rounds):
+        # A new opening each round, so the first request finds nothing cached.
+        system = f"Session {i}. Read this story carefully. {base}"
+
+        def ask(question: str) -> pb.PredictOptions:
+            messages = [
+                pb.Message(role="system", content=system),
+                pb.Message(role="user", content=question),
+            ]
+            return pb.PredictOptions(
+                UseTokenizerTemplate=True, Messages=messages, Tokens=8
+            )
+
+        cold.append(stream_ttft(stub, ask("Who climbed the stairs?")))
+        warm.append(stream_ttft(stub, ask("What did the keeper light?")))
+        prompt_tokens = stub.Predict(ask("Why?")).prompt_tokens
+
+    # A chat where each turn resends the whole history plus one new question.
+    messages: list[pb.Message] = []
+    prefilled = new = 0
+    previous = 0  # prompt plus reply tokens of the previous turn
+    for question in CHAT_QUESTIONS:
+        messages.append(pb.Message(role="user", content=question))
+        before = cache_counter(stub, "prompt_tokens_prefilled")
+        reply = stub.Predict(
+            pb.PredictOptions(UseTokenizerTemplate=True, Messages=messages, Tokens=48)
+        )
+        prefilled += cache_counter(stub, "prompt_tokens_prefilled") - before
+        new += reply.prompt_tokens - previous
+        previous = reply.prompt_tokens + reply.tokens
+        messages.append(pb.Message(role="assistant", content=reply.message.decode()))
+
+    report = {
+        "prompt_tokens": prompt_tokens,
+        "cold_ttft_s": cold,
+        "warm_ttft_s": warm,
+        "chat_prefilled_tokens": prefilled,
+        "chat_new_tokens": new,
+    }
+    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    lines = [
+        f"3. prompt cache: {prompt_tokens}-token prompt, median of {rounds} rounds",
+        f"TTFT cold {cold_s:.3f} s, warm {warm_s:.3f} s: {cold_s / warm_s:.1f}x faster",
+        f"{len(CHAT_QUESTIONS)}-turn chat: {prefilled} prompt tokens prefilled for "
+        f"{new} new tokens ({prefilled / new:.2f}x)",
+    ]
+    return report, lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per decode")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu-rounds", type=int, default=2)
-    parser.add_argument("--skip-cpu", action="store_true", help="only part 1")
+    parser.add_argument("--skip-cpu", action="store_true", help="skip part 2")
+    parser.add_argument("--cache-rounds", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -268,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                 stubs, args.cpu_rounds, args.tokens
             )
             lines += [""] + part
+        report["prompt_cache"], part = bench_prompt_cache(fast, args.cache_rounds)
+        lines += [""] + part
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -553,6 +553,111 @@ def test_load_options_are_request_defaults(server):
     assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
 
 
+# -- prompt cache -----------------------------------------------------------------
+
+SYSTEM = (
+    "You are a helpful assistant for a small bakery in Lyon. You answer questions "
+    "about bread, pastries, opening hours and prices in short, friendly sentences."
+)
+STORY = "The lighthouse keeper climbed the stairs every night. " * 6
+TURNS = [
+    "What time do you open on Sunday?",
+    "Do you sell croissants?",
+    "How much is a baguette?",
+]
+
+
+def cache_counters(server) -> dict[str, int]:
+    """The prompt cache figures in Status, once the last request has been retired."""
+    deadline = time.monotonic() + 5
+    while True:
+        status = server.stub.Status(pb.HealthMessage())
+        if status.state == pb.StatusResponse.READY or time.monotonic() > deadline:
+            return dict(status.memory.breakdown)
+        time.sleep(0.01)
+
+
+def conversation(turns: int, answers: list[str]) -> list[pb.Message]:
+    messages = [pb.Message(role="system", content=SYSTEM)]
+    for question, answer in zip(TURNS[:turns], answers + [None]):
+        messages.append(pb.Message(role="user", content=question))
+        if answer is not None:
+            messages.append(pb.Message(role="assistant", content=answer))
+    return messages
+
+
+def cache_workload(server) -> tuple[list[bytes], list[int]]:
+    """Greedy replies to a fixed request sequence, and the cached tokens each reused.
+
+    The sequence makes an exact hit, a shorter-prefix hit, a trim of a longer entry
+    and a multi-turn conversation in which each turn extends the previous one.
+    """
+    replies, reused = [], []
+
+    def ask(request):
+        before = cache_counters(server)["prompt_cache_reused_tokens"]
+        replies.append(server.stub.Predict(request).message)
+        reused.append(cache_counters(server)["prompt_cache_reused_tokens"] - before)
+
+    ask(pb.PredictOptions(Prompt=STORY + "Where did he climb?", Tokens=12))
+    ask(pb.PredictOptions(Prompt=STORY + "Where did he climb?", Tokens=12))  # exact
+    ask(pb.PredictOptions(Prompt=STORY + "Why did he climb?", Tokens=12))  # trim
+    answers: list[str] = []
+    for turn in range(1, len(TURNS) + 1):  # each turn extends the last
+        messages = conversation(turn, answers)
+        ask(pb.PredictOptions(UseTokenizerTemplate=True, Messages=messages, Tokens=16))
+        answers.append(replies[-1].decode())
+    return replies, reused
+
+
+def test_prompt_cache_keeps_greedy_output_identical(server):
+    assert server.stub.LoadModel(pb.ModelOptions(Options=["max_cache_entries:0"]))
+    try:
+        expected, reused = cache_workload(server)
+        assert reused == [0] * len(expected)
+        assert cache_counters(server)["prompt_cache_entries"] == 0
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+    replies, reused = cache_workload(server)
+    assert replies == expected
+    cold, exact, trim, *turns = reused
+    assert cold == 0
+    prompt = server.stub.TokenizeString(
+        pb.PredictOptions(Prompt=STORY + "Where did he climb?")
+    ).tokens
+    assert exact == len(prompt) - 1  # the last prompt token always runs
+    # The two questions part after "Where"/"Why", one token past the story text.
+    story = server.stub.TokenizeString(pb.PredictOptions(Prompt=STORY)).tokens
+    assert trim == len(story) - 1
+    # The first turn shares only the chat's opening; later turns reuse the whole
+    # previous turn, its reply included.
+    assert turns[1] > turns[0] and turns[2] > turns[1] > 40
+    counters = cache_counters(server)
+    assert counters["prompt_cache_entries"] >= 1
+    assert counters["prompt_cache_bytes"] > 0
+
+
+def test_free_and_load_clear_the_prompt_cache(server):
+    server.stub.Predict(chat(Tokens=4))
+    assert cache_counters(server)["prompt_cache_entries"] >= 1
+    assert server.stub.LoadModel(pb.ModelOptions()).success
+    assert cache_counters(server)["prompt_cache_entries"] == 0
+    server.stub.Predict(chat(Tokens=4))
+    assert server.stub.Free(pb.HealthMessage()).success
+    try:
+        status = server.stub.Status(pb.HealthMessage())
+        assert status.memory.breakdown["prompt_cache_entries"] == 0
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+
+
+def test_prompt_tokens_count_the_whole_prompt_on_a_hit(server):
+    first = server.stub.Predict(chat(Tokens=8))
+    again = server.stub.Predict(chat(Tokens=8))
+    assert first.prompt_tokens == again.prompt_tokens == PROMPT_TOKENS
+    assert again.message == first.message
+
+
 def test_internal_errors_map_to_internal():
     import asyncio
 
