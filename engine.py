@@ -38,6 +38,7 @@ from mlx_utils import (
     physical_memory,
     prepare_for_cpu,
     release_memory,
+    see_cached_prompt,
 )
 from python_utils import Aborted, FailedPrecondition, LoadOptions
 
@@ -205,11 +206,15 @@ class _Sequence:
                 sampling.top_k,
                 sampling.seed,
             ),
-            logits_processors=make_processors(
-                logit_bias,
-                sampling.repetition_penalty,
-                sampling.frequency_penalty,
-                sampling.presence_penalty,
+            logits_processors=see_cached_prompt(
+                make_processors(
+                    logit_bias,
+                    sampling.repetition_penalty,
+                    sampling.frequency_penalty,
+                    sampling.presence_penalty,
+                    sampling.repetition_context_size,
+                ),
+                request.prompt[: self.reused],
                 sampling.repetition_context_size,
             ),
             prefill_step_size=options.prefill_step_size,

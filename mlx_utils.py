@@ -3,6 +3,7 @@
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -284,6 +285,29 @@ def make_processors(
         frequency_penalty=frequency_penalty or None,
         frequency_context_size=context_size,
     )
+
+
+def see_cached_prompt(processors: list, cached: Sequence[int], context_size: int):
+    """Logits processors that also see the prompt tokens served from the prompt cache.
+
+    generate_step hands processors only the tokens it was given, so after a cache
+    hit penalties would miss the cached part of the prompt. Prepending its last
+    ``context_size`` tokens, only while the history is shorter than that, keeps
+    the output the same as without the cache.
+    """
+    if not processors or not cached:
+        return processors
+    head = mx.array(cached[-context_size:])
+
+    def wrap(processor):
+        def process(tokens: mx.array, logits: mx.array) -> mx.array:
+            if tokens.size < context_size:
+                tokens = mx.concatenate([head, tokens])
+            return processor(tokens, logits)
+
+        return process
+
+    return [wrap(processor) for processor in processors]
 
 
 def memory_snapshot() -> dict[str, int]:

@@ -559,6 +559,7 @@ SYSTEM = (
     "You are a helpful assistant for a small bakery in Lyon. You answer questions "
     "about bread, pastries, opening hours and prices in short, friendly sentences."
 )
+QUESTION_WORDS = ("Where", "When")
 STORY = "The lighthouse keeper climbed the stairs every night. " * 6
 TURNS = [
     "What time do you open on Sunday?",
@@ -586,11 +587,22 @@ def conversation(turns: int, answers: list[str]) -> list[pb.Message]:
     return messages
 
 
+def story_chat(question: str, **fields) -> pb.PredictOptions:
+    messages = [
+        pb.Message(role="system", content=STORY),
+        pb.Message(role="user", content=question),
+    ]
+    return pb.PredictOptions(
+        UseTokenizerTemplate=True, Messages=messages, Tokens=12, **fields
+    )
+
+
 def cache_workload(server) -> tuple[list[bytes], list[int]]:
     """Greedy replies to a fixed request sequence, and the cached tokens each reused.
 
-    The sequence makes an exact hit, a shorter-prefix hit, a trim of a longer entry
-    and a multi-turn conversation in which each turn extends the previous one.
+    The sequence makes a repeat, an exact hit, the trim of a longer entry, a
+    penalized repeat and a multi-turn conversation in which each turn extends the
+    previous one.
     """
     replies, reused = [], []
 
@@ -599,11 +611,16 @@ def cache_workload(server) -> tuple[list[bytes], list[int]]:
         replies.append(server.stub.Predict(request).message)
         reused.append(cache_counters(server)["prompt_cache_reused_tokens"] - before)
 
-    ask(pb.PredictOptions(Prompt=STORY + "Where did he climb?", Tokens=12))
-    ask(pb.PredictOptions(Prompt=STORY + "Where did he climb?", Tokens=12))  # exact
-    ask(pb.PredictOptions(Prompt=STORY + "Why did he climb?", Tokens=12))  # trim
+    ask(story_chat("Where did the keeper climb?"))
+    ask(story_chat("Where did the keeper climb?"))  # a longer entry covers it
+    ask(pb.PredictOptions(Prompt="Once upon a time", Tokens=12))
+    # The previous prompt and reply, token for token: an exact hit.
+    ask(pb.PredictOptions(Prompt="Once upon a time" + replies[-1].decode(), Tokens=12))
+    ask(story_chat("When did the keeper climb?"))  # trims a longer entry
+    # Penalties look back over the prompt, including its cached part.
+    ask(story_chat("Where did the keeper climb?", PresencePenalty=1.5, Penalty=1.5))
     answers: list[str] = []
-    for turn in range(1, len(TURNS) + 1):  # each turn extends the last
+    for turn in range(1, len(TURNS) + 1):
         messages = conversation(turn, answers)
         ask(pb.PredictOptions(UseTokenizerTemplate=True, Messages=messages, Tokens=16))
         answers.append(replies[-1].decode())
@@ -618,20 +635,25 @@ def test_prompt_cache_keeps_greedy_output_identical(server):
         assert cache_counters(server)["prompt_cache_entries"] == 0
     finally:
         assert server.stub.LoadModel(pb.ModelOptions()).success
+    assert all(expected), expected
     replies, reused = cache_workload(server)
     assert replies == expected
-    cold, exact, trim, *turns = reused
-    assert cold == 0
-    prompt = server.stub.TokenizeString(
-        pb.PredictOptions(Prompt=STORY + "Where did he climb?")
-    ).tokens
-    assert exact == len(prompt) - 1  # the last prompt token always runs
-    # The two questions part after "Where"/"Why", one token past the story text.
-    story = server.stub.TokenizeString(pb.PredictOptions(Prompt=STORY)).tokens
-    assert trim == len(story) - 1
-    # The first turn shares only the chat's opening; later turns reuse the whole
-    # previous turn, its reply included.
-    assert turns[1] > turns[0] and turns[2] > turns[1] > 40
+    cold, repeat, story, exact, trim, penalized, *turns = reused
+
+    def tokens(request):
+        return list(server.stub.TokenizeString(request).tokens)
+
+    where, when = (
+        tokens(story_chat(q + " did the keeper climb?")) for q in QUESTION_WORDS
+    )
+    assert cold == 0 and repeat == penalized == len(where) - 1
+    continued = pb.PredictOptions(Prompt="Once upon a time" + expected[2].decode())
+    assert exact == len(tokens(continued)) - 1
+    # The trimmed entry serves exactly the tokens the two questions share.
+    shared = next(i for i, (a, b) in enumerate(zip(where, when)) if a != b)
+    assert trim == shared > len(where) - 16
+    # Later turns reuse the whole previous turn, its reply included.
+    assert turns[2] > turns[1] > turns[0] > 0
     counters = cache_counters(server)
     assert counters["prompt_cache_entries"] >= 1
     assert counters["prompt_cache_bytes"] > 0
