@@ -305,7 +305,13 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     @grpc_errors
     async def GetMetrics(self, request, context):
-        raise Unimplemented("GetMetrics is not implemented yet by the MLX backend")
+        metrics = self.engine.last_metrics
+        return backend_pb2.MetricsResponse(
+            slot_id=0,
+            tokens_per_second=metrics.tokens_per_second,
+            tokens_generated=metrics.tokens_generated,
+            prompt_tokens_processed=metrics.prompt_tokens_processed,
+        )
 
     @grpc_errors
     async def ModelMetadata(self, request, context):

@@ -21,17 +21,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import TextStateMachine, generate_step
-from mlx_lm.models.cache import (
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import (
     ComputePath,
     LoadedModel,
     load_model,
+    make_kv_cache,
     make_processors,
     make_seeded_sampler,
     memory_snapshot,
@@ -92,6 +89,15 @@ class Finished:
     prompt_seconds: float
     generation_seconds: float
     finish_reason: str
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """What GetMetrics reports of the most recently finished request."""
+
+    tokens_generated: int = 0
+    tokens_per_second: float = 0.0
+    prompt_tokens_processed: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,9 +180,10 @@ class _Sequence:
             else:
                 self.kv_cache = None
         if self.kv_cache is None:
-            self.kv_cache = make_prompt_cache(loaded.model, options.max_kv_size)
+            self.kv_cache = make_kv_cache(loaded.model, options.max_kv_size)
             rest = request.prompt
         self.reused = len(request.prompt) - len(rest)
+        self.metrics: RequestMetrics | None = None
         # Every token the model has been given a step for, prompt first.
         self.fed = list(request.prompt)
         logit_bias = sampling.logit_bias
@@ -266,6 +273,11 @@ class _Sequence:
                 reason = "stop"
         now = time.perf_counter()
         first = self.first_token_at or now
+        self.metrics = RequestMetrics(
+            tokens_generated=self.generated,
+            tokens_per_second=self.generated / (now - first) if now > first else 0.0,
+            prompt_tokens_processed=len(self.request.prompt) - self.reused,
+        )
         self.stream.put(
             Finished(
                 text=text,
@@ -309,6 +321,7 @@ class Engine:
         self._closed = False
         self.info: ModelInfo | None = None
         self.stats = EngineStats("uninitialized", 0, {})
+        self.last_metrics = RequestMetrics()
         self._prompt_cache = ThreadSafeLRUPromptCache(max_size=0)
         # Prompt tokens served from the prompt cache, and those prefilled.
         self._reused_tokens = 0
@@ -454,6 +467,8 @@ class Engine:
     def _retire(self, seq: _Sequence, failed: bool = False) -> None:
         seq.close(failed)
         self._active.remove(seq)
+        if seq.metrics is not None:
+            self.last_metrics = seq.metrics
         if not self._active:
             self._publish()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -285,6 +286,21 @@ def make_processors(
         frequency_penalty=frequency_penalty or None,
         frequency_context_size=context_size,
     )
+
+
+def make_kv_cache(model: nn.Module, max_kv_size: int | None) -> list:
+    """The model's KV cache, plain KV layers made windows of ``max_kv_size`` tokens.
+
+    mlx-lm's ``make_prompt_cache`` ignores ``max_kv_size`` for models with a
+    ``make_cache`` of their own, as llama has since it learned sliding windows.
+    """
+    cache = make_prompt_cache(model)
+    if max_kv_size is None:
+        return cache
+    return [
+        RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c
+        for c in cache
+    ]
 
 
 def see_cached_prompt(processors: list, cached: Sequence[int], context_size: int):

@@ -408,7 +408,6 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
     [
         ("Embedding", pb.PredictOptions),
         ("Score", pb.ScoreRequest),
-        ("GetMetrics", pb.MetricsRequest),
         ("ModelMetadata", pb.ModelOptions),
     ],
 )
@@ -659,6 +658,26 @@ def test_prompt_cache_keeps_greedy_output_identical(server):
     assert counters["prompt_cache_bytes"] > 0
 
 
+def test_rotating_kv_caches_are_reused_until_they_wrap(server):
+    options = ["max_kv_size:48"]
+    assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
+    try:
+        before = cache_counters(server)["prompt_cache_reused_tokens"]
+        # 37 prompt tokens and 4 more stay inside the window: trimmed and reused.
+        short = [server.stub.Predict(chat(Tokens=4)) for _ in range(2)]
+        reused = cache_counters(server)["prompt_cache_reused_tokens"]
+        assert short[1].message == short[0].message
+        assert reused - before == PROMPT_TOKENS - 1
+        # 37 + 16 tokens wrap the window: the entry cannot be trimmed, so a repeat
+        # (after a reload has emptied the cache) starts afresh and answers the same.
+        assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
+        long = [server.stub.Predict(chat(Tokens=16, IgnoreEOS=True)) for _ in "ab"]
+        assert long[1].message == long[0].message
+        assert cache_counters(server)["prompt_cache_reused_tokens"] == reused
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+
+
 def test_free_and_load_clear_the_prompt_cache(server):
     server.stub.Predict(chat(Tokens=4))
     assert cache_counters(server)["prompt_cache_entries"] >= 1
@@ -674,10 +693,16 @@ def test_free_and_load_clear_the_prompt_cache(server):
 
 
 def test_prompt_tokens_count_the_whole_prompt_on_a_hit(server):
-    first = server.stub.Predict(chat(Tokens=8))
-    again = server.stub.Predict(chat(Tokens=8))
-    assert first.prompt_tokens == again.prompt_tokens == PROMPT_TOKENS
+    first = server.stub.Predict(chat("Say hello.", Tokens=8))
+    cold = server.stub.GetMetrics(pb.MetricsRequest())
+    again = server.stub.Predict(chat("Say hello.", Tokens=8))
+    warm = server.stub.GetMetrics(pb.MetricsRequest())
+    assert first.prompt_tokens == again.prompt_tokens > 20
     assert again.message == first.message
+    # GetMetrics counts the prompt tokens actually processed: one on a full hit.
+    assert cold.prompt_tokens_processed > 1 and warm.prompt_tokens_processed == 1
+    assert warm.tokens_generated == again.tokens == 8
+    assert warm.tokens_per_second > 0
 
 
 def test_internal_errors_map_to_internal():
