@@ -678,6 +678,20 @@ def test_rotating_kv_caches_are_reused_until_they_wrap(server):
         assert server.stub.LoadModel(pb.ModelOptions()).success
 
 
+def test_a_cancelled_generation_leaves_its_cache(server):
+    assert server.stub.LoadModel(pb.ModelOptions()).success  # an empty cache
+    stream = server.stub.PredictStream(chat("Tell me a story.", Tokens=200))
+    for _ in zip(range(3), stream):
+        pass
+    stream.cancel()
+    counters = cache_counters(server)
+    assert counters["prompt_cache_entries"] == 1
+    before = counters["prompt_cache_reused_tokens"]
+    reply = server.stub.Predict(chat("Tell me a story.", Tokens=4))
+    reused = cache_counters(server)["prompt_cache_reused_tokens"] - before
+    assert reused == reply.prompt_tokens - 1
+
+
 def test_free_and_load_clear_the_prompt_cache(server):
     server.stub.Predict(chat(Tokens=4))
     assert cache_counters(server)["prompt_cache_entries"] >= 1
