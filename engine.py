@@ -290,9 +290,11 @@ class _Sequence:
         )
         return True
 
-    def close(self, failed: bool = False) -> None:
-        """Stop generating and keep the KV cache for the next request to reuse."""
+    def close(self) -> None:
         self.tokens.close()
+
+    def save_cache(self, failed: bool) -> None:
+        """Keep the KV cache for the next request to reuse."""
         if failed:
             try:
                 # A failed step can leave arrays that fail again when evaluated.
@@ -464,8 +466,12 @@ class Engine:
         if self._steps % STATS_INTERVAL == 0:
             self._publish()
 
-    def _retire(self, seq: _Sequence, failed: bool = False) -> None:
-        seq.close(failed)
+    def _retire(
+        self, seq: _Sequence, failed: bool = False, save_cache: bool = True
+    ) -> None:
+        seq.close()
+        if save_cache:
+            seq.save_cache(failed)
         self._active.remove(seq)
         if seq.metrics is not None:
             self.last_metrics = seq.metrics
@@ -474,8 +480,10 @@ class Engine:
 
     def _abort_all(self, reason: str) -> None:
         for seq in list(self._active):
+            # Unload clears the cache, shutdown ends it, and a failed loop's
+            # state is suspect: nothing here is worth keeping.
             seq.stream.put(Aborted(reason))
-            self._retire(seq)
+            self._retire(seq, save_cache=False)
 
     def _publish(self) -> None:
         state = self._state
