@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 import backend_pb2
 import backend_pb2_grpc
+from chat_output import Delta, OutputOptions, merge_deltas
 from engine import Engine, Finished, GenerationRequest, ModelInfo, SamplingParams
 from python_utils import (
     FAST_BLAS_ENV,
@@ -40,12 +41,15 @@ from python_utils import (
     fast_blas_in_use,
     find_fast_blas,
     parse_duration,
+    parse_forced_tokens,
     parse_logit_bias,
     parse_options,
     parse_template_args,
+    parse_tool_choice,
     parse_tools,
     preload_environment,
     render_chat,
+    render_sample_chat,
     switched_off,
 )
 
@@ -157,9 +161,38 @@ def parse_prompt(request, info: ModelInfo) -> list[int]:
     return encode_prompt(info.tokenizer, request.Prompt)
 
 
+def parse_output(request, info: ModelInfo, prompt: list[int]) -> OutputOptions:
+    """How the reply is classified: chat-template requests only, as the model marks up."""
+    if not (request.UseTokenizerTemplate and request.Messages):
+        return OutputOptions()
+    tokenizer = info.tokenizer
+    # A template that opens the assistant turn inside thinking ends the prompt there.
+    opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
+        prompt
+    ) > tokenizer.rfind_think_end(prompt)
+    return OutputOptions(
+        classify=True,
+        reasoning_open=opened,
+        parse_tool_calls=parse_tool_choice(request.ToolChoice) != "none",
+        tools=parse_tools(request.Tools),
+    )
+
+
+def parse_forcing(request, info: ModelInfo) -> tuple[int, ...] | None:
+    text = request.Metadata.get("forced_tokens")
+    if text is None:
+        return None
+    if not info.options.forced_tokens:
+        raise FailedPrecondition(
+            "Metadata.forced_tokens needs the forced_tokens:true load option"
+        )
+    return parse_forced_tokens(text, info.vocab_size)
+
+
 def parse_generation(request, info: ModelInfo) -> GenerationRequest:
     """Parse ``PredictOptions`` once into the engine's request type."""
     sampling = parse_sampling(request, info)
+    forced = parse_forcing(request, info)
     prompt = parse_prompt(request, info)
     if not prompt:
         raise InvalidArgument("Prompt: the prompt is empty (set Prompt or Messages)")
@@ -176,13 +209,38 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
         sampling=sampling,
         stop=tuple(s for s in request.StopPrompts if s),
         ignore_eos=request.IgnoreEOS,
+        output=parse_output(request, info, prompt),
+        forced_tokens=forced,
         model_generation=info.generation,
     )
 
 
-def _final_reply(final: Finished, text: str) -> backend_pb2.Reply:
+def _reply(delta: Delta, whole: bool = False, **fields) -> backend_pb2.Reply:
+    """A Reply whose ``message`` is the visible content and whose delta is all of it.
+
+    A stream leaves out empty deltas; ``whole`` (Predict) always carries one.
+    """
+    chat_delta = backend_pb2.ChatDelta(
+        content=delta.content,
+        reasoning_content=delta.reasoning,
+        tool_calls=[
+            backend_pb2.ToolCallDelta(
+                index=call.index, id=call.id, name=call.name, arguments=call.arguments
+            )
+            for call in delta.tool_calls
+        ],
+    )
     return backend_pb2.Reply(
-        message=text.encode("utf-8"),
+        message=delta.content.encode("utf-8"),
+        chat_deltas=[chat_delta] if delta or whole else [],
+        **fields,
+    )
+
+
+def _final_reply(final: Finished, delta: Delta, whole: bool) -> backend_pb2.Reply:
+    return _reply(
+        delta,
+        whole,
         tokens=final.completion_tokens,
         prompt_tokens=final.prompt_tokens,
         timing_prompt_processing=final.prompt_seconds * 1000.0,
@@ -255,18 +313,18 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     @grpc_errors
     async def Predict(self, request, context):
-        parts = []
+        deltas = []
         async for event in self._generate(request, context):
-            parts.append(event.text)
-        return _final_reply(event, "".join(parts))
+            deltas.append(event.delta if isinstance(event, Finished) else event)
+        return _final_reply(event, merge_deltas(deltas), whole=True)
 
     @grpc_errors
     async def PredictStream(self, request, context):
         async for event in self._generate(request, context):
             if isinstance(event, Finished):
-                yield _final_reply(event, event.text)
+                yield _final_reply(event, event.delta, whole=False)
             else:
-                yield backend_pb2.Reply(message=event.text.encode("utf-8"))
+                yield _reply(event)
 
     @grpc_errors
     async def TokenizeString(self, request, context):
@@ -315,7 +373,20 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     @grpc_errors
     async def ModelMetadata(self, request, context):
-        raise Unimplemented("ModelMetadata is not implemented yet by the MLX backend")
+        info = self._model()
+        markers = info.markers
+        rendered = await asyncio.to_thread(render_sample_chat, info.tokenizer)
+        return backend_pb2.ModelMetadataResponse(
+            supports_thinking=markers.think_start is not None,
+            rendered_template=rendered,
+            tool_format=backend_pb2.ToolFormatMarkers(
+                format_type=markers.tool_format or "",
+                section_start=markers.tool_call_start or "",
+                section_end=markers.tool_call_end or "",
+                reasoning_start=markers.think_start or "",
+                reasoning_end=markers.think_end or "",
+            ),
+        )
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         stub = backend_pb2_grpc.BackendStub(channel)
         try:
             for reply in stub.PredictStream(request, metadata=metadata):
+                for delta in reply.chat_deltas:
+                    # Reasoning goes to stderr, so stdout holds only the answer.
+                    sys.stderr.write(delta.reasoning_content)
+                    for call in delta.tool_calls:
+                        sys.stdout.write(f"\n[tool call {call.name}({call.arguments})]")
                 sys.stdout.write(reply.message.decode("utf-8"))
                 sys.stdout.flush()
         except grpc.RpcError as e:

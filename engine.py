@@ -20,14 +20,23 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.generate import TextStateMachine, generate_step
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from chat_output import (
+    Delta,
+    OutputMarkers,
+    OutputOptions,
+    OutputParser,
+    make_output_markers,
+    merge_deltas,
+)
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import (
     ComputePath,
     LoadedModel,
     load_model,
+    make_forcing_processor,
     make_kv_cache,
     make_processors,
     make_seeded_sampler,
@@ -70,20 +79,18 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    output: OutputOptions = OutputOptions()
+    # Testing aid: generate exactly these tokens (the forced_tokens load option).
+    forced_tokens: tuple[int, ...] | None = None
     # The load the prompt was tokenized for; a request for a replaced model is refused.
     model_generation: int = 0
 
 
 @dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
 class Finished:
-    """The last event of a generation; ``text`` is any text not yet streamed."""
+    """The last event of a generation; ``delta`` is what was not yet streamed."""
 
-    text: str
+    delta: Delta
     prompt_tokens: int
     completion_tokens: int
     prompt_seconds: float
@@ -112,6 +119,7 @@ class ModelInfo:
     options: LoadOptions
     generation: int
     compute_path: ComputePath = ComputePath("")
+    markers: OutputMarkers = OutputMarkers()
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,7 @@ class RequestStream:
     def cancel(self) -> None:
         self.cancelled = True
 
-    async def __aiter__(self) -> AsyncIterator[TextDelta | Finished]:
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
         while True:
             event = await self._queue.get()
             if isinstance(event, BaseException):
@@ -161,9 +169,10 @@ class _Sequence:
         request: GenerationRequest,
         stream: RequestStream,
         loaded,
-        options,
+        info: ModelInfo,
         prompt_cache: ThreadSafeLRUPromptCache,
     ):
+        options = info.options
         tokenizer = loaded.tokenizer
         sampling = request.sampling
         self.request = request
@@ -197,8 +206,20 @@ class _Sequence:
         else:
             self.eos = tokenizer.eos_token_ids
         self.detokenizer = tokenizer.detokenizer
-        machine = TextStateMachine({"normal": [(s, None) for s in request.stop if s]})
-        self.text_state = machine.make_state()
+        self.output = OutputParser(info.markers, request.stop, request.output)
+        processors = make_processors(
+            logit_bias,
+            sampling.repetition_penalty,
+            sampling.frequency_penalty,
+            sampling.presence_penalty,
+            sampling.repetition_context_size,
+        )
+        if request.forced_tokens is not None:
+            processors.append(
+                make_forcing_processor(
+                    request.forced_tokens, min(tokenizer.eos_token_ids)
+                )
+            )
         self.generated = 0
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -214,13 +235,7 @@ class _Sequence:
                 sampling.seed,
             ),
             logits_processors=see_cached_prompt(
-                make_processors(
-                    logit_bias,
-                    sampling.repetition_penalty,
-                    sampling.frequency_penalty,
-                    sampling.presence_penalty,
-                    sampling.repetition_context_size,
-                ),
+                processors,
                 request.prompt[: self.reused],
                 sampling.repetition_context_size,
             ),
@@ -250,27 +265,22 @@ class _Sequence:
         self.detokenizer.add_token(token)
         if self.generated >= self.request.max_tokens:
             return self._finish("length")
-        self.text_state, text, state = TextStateMachine.step(
-            self.text_state, self.detokenizer.last_segment
-        )
-        if state is None:
-            return self._finish("stop", text)
-        if text:
-            self.stream.put(TextDelta(text))
+        delta, stopped = self.output.feed(self.detokenizer.last_segment)
+        if stopped:
+            return self._finish("stop", delta)
+        if delta:
+            self.stream.put(delta)
         return False
 
-    def _finish(self, reason: str, text: str | None = None) -> bool:
-        if text is None:
-            # Flush what the detokenizer and the stop matcher still hold.
+    def _finish(self, reason: str, delta: Delta | None = None) -> bool:
+        if delta is None:
+            # Flush what the detokenizer still holds.
             self.detokenizer.finalize()
-            self.text_state, text, state = TextStateMachine.step(
-                self.text_state, self.detokenizer.last_segment
-            )
-            if state is not None:
-                self.text_state, rest, _ = TextStateMachine.flush(self.text_state)
-                text += rest
-            else:
+            delta, stopped = self.output.feed(self.detokenizer.last_segment)
+            if stopped:
                 reason = "stop"
+        # Then what the parser holds back: unfinished markers, an open tool call.
+        delta = merge_deltas((delta, self.output.finish()))
         now = time.perf_counter()
         first = self.first_token_at or now
         self.metrics = RequestMetrics(
@@ -280,7 +290,7 @@ class _Sequence:
         )
         self.stream.put(
             Finished(
-                text=text,
+                delta=delta,
                 prompt_tokens=len(self.request.prompt),
                 completion_tokens=self.generated,
                 prompt_seconds=first - self.started,
@@ -420,7 +430,7 @@ class Engine:
             return
         try:
             seq = _Sequence(
-                request, stream, self._loaded, self.info.options, self._prompt_cache
+                request, stream, self._loaded, self.info, self._prompt_cache
             )
         except Exception as e:
             logger.exception("could not start a generation")
@@ -537,6 +547,7 @@ class Engine:
                 options=options,
                 generation=self._generation + 1,
                 compute_path=compute_path,
+                markers=make_output_markers(loaded.tokenizer),
             )
         except Exception:
             self._state = "error"

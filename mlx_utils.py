@@ -288,6 +288,25 @@ def make_processors(
     )
 
 
+def make_forcing_processor(tokens: Sequence[int], eos: int):
+    """A logits processor under which any sampler picks ``tokens``, then ``eos``.
+
+    A testing aid (the ``forced_tokens`` load option): the model still runs every
+    step through mlx-lm's generation loop, only its choice is fixed.
+    """
+    script = list(tokens) + [eos]
+    step = 0
+
+    def force(history: mx.array, logits: mx.array) -> mx.array:
+        nonlocal step
+        token = script[min(step, len(script) - 1)]
+        step += 1
+        allowed = mx.arange(logits.shape[-1]) == token
+        return mx.where(allowed, mx.zeros_like(logits), -mx.inf)
+
+    return force
+
+
 def make_kv_cache(model: nn.Module, max_kv_size: int | None) -> list:
     """The model's KV cache, plain KV layers made windows of ``max_kv_size`` tokens.
 

@@ -60,6 +60,8 @@ class LoadOptions:
     # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
+    # Testing aid: a request's Metadata["forced_tokens"] fixes what it generates.
+    forced_tokens: bool = False
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -206,6 +208,19 @@ def parse_tool_choice(text: str) -> str | dict | None:
         return text.strip()
 
 
+def parse_forced_tokens(text: str, vocab_size: int) -> tuple[int, ...]:
+    """``Metadata["forced_tokens"]``: a JSON array of token ids to generate."""
+    tokens = parse_json_field("Metadata.forced_tokens", text)
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and 0 <= t < vocab_size for t in tokens
+    ):
+        raise InvalidArgument(
+            f"Metadata.forced_tokens: expected a JSON array of token ids "
+            f"(0..{vocab_size - 1})"
+        )
+    return tuple(tokens)
+
+
 def parse_logit_bias(text: str, vocab_size: int) -> dict[int, float]:
     """``LogitBias`` JSON to ``{token_id: bias}``; ids outside the vocabulary are ignored."""
     if not text.strip():
@@ -283,6 +298,24 @@ def render_chat(tokenizer, messages: list[dict], args: TemplateArgs) -> list[int
         )
     except Exception as e:
         raise InvalidArgument(f"Messages: the chat template failed: {e}") from e
+
+
+SAMPLE_CHAT = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello!"},
+)
+
+
+def render_sample_chat(tokenizer) -> str:
+    """The chat template rendered with thinking on for a short sample conversation."""
+    if not tokenizer.has_chat_template:
+        return ""
+    return tokenizer.apply_chat_template(
+        list(SAMPLE_CHAT),
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=True,
+    )
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -408,7 +408,6 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
     [
         ("Embedding", pb.PredictOptions),
         ("Score", pb.ScoreRequest),
-        ("ModelMetadata", pb.ModelOptions),
     ],
 )
 def test_unimplemented_rpcs(server, rpc, request_type):
