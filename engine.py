@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from chat_output import (
@@ -45,6 +45,7 @@ from mlx_utils import (
     prepare_for_cpu,
     release_memory,
     see_cached_prompt,
+    unbatchable_reason,
 )
 from python_utils import Aborted, FailedPrecondition, LoadOptions
 
@@ -162,85 +163,50 @@ class _Cancelled(Exception):
 
 
 class _Sequence:
-    """One request's decoding state on the engine thread."""
+    """One request on the engine thread: generated tokens in, classified text out.
+
+    A batched sequence is a row of the engine's ``BatchGenerator`` (``uid``); a
+    sequence that cannot be batched runs its own mlx-lm ``generate_step``.
+    """
 
     def __init__(
         self,
         request: GenerationRequest,
         stream: RequestStream,
-        loaded,
-        info: ModelInfo,
-        prompt_cache: ThreadSafeLRUPromptCache,
+        tokenizer,
+        markers: OutputMarkers,
+        reused: int,
     ):
-        options = info.options
-        tokenizer = loaded.tokenizer
-        sampling = request.sampling
         self.request = request
         self.stream = stream
-        self.store = prompt_cache
-        self.kv_cache, rest = prompt_cache.fetch_nearest_cache(
-            request.model_generation, request.prompt
-        )
-        if self.kv_cache is not None and not rest:
-            # An exact hit still runs the last prompt token, for the next logits.
-            if can_trim_prompt_cache(self.kv_cache):
-                trim_prompt_cache(self.kv_cache, 1)
-                rest = request.prompt[-1:]
-            else:
-                self.kv_cache = None
-        if self.kv_cache is None:
-            self.kv_cache = make_kv_cache(loaded.model, options.max_kv_size)
-            rest = request.prompt
-        self.reused = len(request.prompt) - len(rest)
-        self.metrics: RequestMetrics | None = None
-        # Every token the model has been given a step for, prompt first.
-        self.fed = list(request.prompt)
-        logit_bias = sampling.logit_bias
-        if request.ignore_eos:
-            # As llama.cpp does: never sample EOS, rather than sampling past it.
-            self.eos = frozenset()
-            logit_bias = {
-                **logit_bias,
-                **{t: -math.inf for t in tokenizer.eos_token_ids},
-            }
-        else:
-            self.eos = tokenizer.eos_token_ids
+        self.reused = reused
+        self.eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
         self.detokenizer = tokenizer.detokenizer
-        self.output = OutputParser(info.markers, request.stop, request.output)
-        processors = make_processors(
-            logit_bias,
-            sampling.repetition_penalty,
-            sampling.frequency_penalty,
-            sampling.presence_penalty,
-            sampling.repetition_context_size,
-        )
-        if request.forced_tokens is not None:
-            processors.append(
-                make_forcing_processor(
-                    request.forced_tokens, min(tokenizer.eos_token_ids)
-                )
-            )
+        self.output = OutputParser(markers, request.stop, request.output)
         self.generated = 0
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.metrics: RequestMetrics | None = None
+        self.uid: int | None = None
+        self.tokens = None  # the single path's generate_step
+        self.kv_cache: list | None = None
+        # Every token the model has been given a step for, prompt first.
+        self.fed = list(request.prompt)
+
+    def start_single(self, model, kv_cache, rest, sampler, processors, step_size):
+        self.kv_cache = kv_cache
         self.tokens = generate_step(
             mx.array(rest),
-            loaded.model,
-            max_tokens=request.max_tokens,
-            sampler=make_seeded_sampler(
-                sampling.temperature,
-                sampling.top_p,
-                sampling.min_p,
-                sampling.top_k,
-                sampling.seed,
-            ),
+            model,
+            max_tokens=self.request.max_tokens,
+            sampler=sampler,
             logits_processors=see_cached_prompt(
                 processors,
-                request.prompt[: self.reused],
-                sampling.repetition_context_size,
+                self.request.prompt[: self.reused],
+                self.request.sampling.repetition_context_size,
             ),
-            prefill_step_size=options.prefill_step_size,
-            prompt_cache=self.kv_cache,
+            prefill_step_size=step_size,
+            prompt_cache=kv_cache,
             prompt_progress_callback=self._check_cancelled,
         )
 
@@ -250,29 +216,33 @@ class _Sequence:
             raise _Cancelled()
 
     def advance(self) -> bool:
-        """Generate one token and emit its text; True when the sequence is done."""
+        """Single path: generate one token and emit it; True when done."""
         try:
             token, _ = next(self.tokens)
         except StopIteration:
-            return self._finish("length")
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+            return self.finish("length")
         # generate_step runs the step for a token before yielding it.
         self.fed.append(token)
+        return self.emit(token)
+
+    def emit(self, token: int) -> bool:
+        """Emit one generated token's text; True when the sequence is done."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         if token in self.eos:
-            return self._finish("stop")
+            return self.finish("stop")
         self.generated += 1
         self.detokenizer.add_token(token)
         if self.generated >= self.request.max_tokens:
-            return self._finish("length")
+            return self.finish("length")
         delta, stopped = self.output.feed(self.detokenizer.last_segment)
         if stopped:
-            return self._finish("stop", delta)
+            return self.finish("stop", delta)
         if delta:
             self.stream.put(delta)
         return False
 
-    def _finish(self, reason: str, delta: Delta | None = None) -> bool:
+    def finish(self, reason: str, delta: Delta | None = None) -> bool:
         if delta is None:
             # Flush what the detokenizer still holds.
             self.detokenizer.finalize()
@@ -300,24 +270,37 @@ class _Sequence:
         )
         return True
 
-    def close(self) -> None:
+    def close_single(self, failed: bool) -> tuple[list, list[int]] | None:
+        """End the single path's generator; its KV cache and tokens, if sound."""
         self.tokens.close()
-
-    def save_cache(self, failed: bool) -> None:
-        """Keep the KV cache for the next request to reuse."""
         if failed:
             try:
                 # A failed step can leave arrays that fail again when evaluated.
                 mx.eval([layer.state for layer in self.kv_cache])
             except Exception:
                 logger.warning("not caching the KV state of a failed generation")
-                return
-        # Cancelled prefill keeps whole chunks, so the offset can fall short.
-        length = min(getattr(self.kv_cache[0], "offset", 0), len(self.fed))
-        if length > 1:
-            self.store.insert_cache(
-                self.request.model_generation, self.fed[:length], self.kv_cache
-            )
+                return None
+        return self.kv_cache, self.fed
+
+
+def make_request_processors(request: GenerationRequest, tokenizer) -> list:
+    """The request's logits processors: bias (and banned EOS), penalties, forcing."""
+    sampling = request.sampling
+    logit_bias = sampling.logit_bias
+    if request.ignore_eos:
+        # As llama.cpp does: never sample EOS, rather than sampling past it.
+        logit_bias = {**logit_bias, **{t: -math.inf for t in tokenizer.eos_token_ids}}
+    processors = make_processors(
+        logit_bias,
+        sampling.repetition_penalty,
+        sampling.frequency_penalty,
+        sampling.presence_penalty,
+        sampling.repetition_context_size,
+    )
+    if request.forced_tokens is not None:
+        eos = min(tokenizer.eos_token_ids)
+        processors.append(make_forcing_processor(request.forced_tokens, eos))
+    return processors
 
 
 class Engine:
@@ -326,6 +309,9 @@ class Engine:
     def __init__(self):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: list[_Sequence] = []
+        # Batched sequences by BatchGenerator uid; None when the model can't batch.
+        self._batch: BatchGenerator | None = None
+        self._batched: dict[int, _Sequence] = {}
         self._loaded: LoadedModel | None = None
         self._generation = 0
         self._steps = 0
@@ -338,6 +324,9 @@ class Engine:
         # Prompt tokens served from the prompt cache, and those prefilled.
         self._reused_tokens = 0
         self._prefilled_tokens = 0
+        # Batched decode steps and the tokens they made (tokens/steps: batch size).
+        self._batch_steps = 0
+        self._batch_tokens = 0
         self._thread = threading.Thread(
             target=self._run, name="mlx-engine", daemon=True
         )
@@ -429,9 +418,7 @@ class Engine:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
         try:
-            seq = _Sequence(
-                request, stream, self._loaded, self.info, self._prompt_cache
-            )
+            seq = self._start(request, stream)
         except Exception as e:
             logger.exception("could not start a generation")
             stream.put(e)
@@ -445,6 +432,60 @@ class Engine:
             seq.reused,
         )
 
+    def _fetch_cache(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
+        """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
+        kv_cache, rest = self._prompt_cache.fetch_nearest_cache(
+            self._generation, prompt
+        )
+        if kv_cache is not None and not rest:
+            # An exact hit still runs the last prompt token, for the next logits.
+            if can_trim_prompt_cache(kv_cache):
+                trim_prompt_cache(kv_cache, 1)
+                return kv_cache, prompt[-1:]
+            kv_cache = None
+        if kv_cache is None:
+            return (
+                make_kv_cache(self._loaded.model, self.info.options.max_kv_size),
+                prompt,
+            )
+        return kv_cache, rest
+
+    def _start(self, request: GenerationRequest, stream: RequestStream) -> _Sequence:
+        tokenizer = self._loaded.tokenizer
+        kv_cache, rest = self._fetch_cache(request.prompt)
+        reused = len(request.prompt) - len(rest)
+        seq = _Sequence(request, stream, tokenizer, self.info.markers, reused)
+        sampling = request.sampling
+        sampler = make_seeded_sampler(
+            sampling.temperature,
+            sampling.top_p,
+            sampling.min_p,
+            sampling.top_k,
+            sampling.seed,
+        )
+        processors = make_request_processors(request, tokenizer)
+        if self._batch is None:
+            seq.start_single(
+                self._loaded.model,
+                kv_cache,
+                rest,
+                sampler,
+                processors,
+                self.info.options.prefill_step_size,
+            )
+            return seq
+        # EOS, stop strings and the token limit are checked by _Sequence.emit.
+        (seq.uid,) = self._batch.insert(
+            [list(rest)],
+            max_tokens=[request.max_tokens],
+            caches=[kv_cache],
+            all_tokens=[list(request.prompt[:reused])],
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        self._batched[seq.uid] = seq
+        return seq
+
     def _run_call(self, fn, args, future) -> None:
         if not future.set_running_or_notify_cancel():
             return
@@ -456,9 +497,14 @@ class Engine:
     def _step(self) -> None:
         for seq in list(self._active):
             if seq.stream.cancelled:
-                logger.info("generation cancelled after %d tokens", seq.generated)
+                if seq.first_token_at is None:
+                    logger.info("generation cancelled during prefill")
+                else:
+                    logger.info("generation cancelled after %d tokens", seq.generated)
                 self._retire(seq)
-                continue
+        if self._batched:
+            self._step_batch()
+        for seq in [s for s in self._active if s.uid is None]:
             try:
                 done = seq.advance()
             except _Cancelled:
@@ -476,24 +522,83 @@ class Engine:
         if self._steps % STATS_INTERVAL == 0:
             self._publish()
 
+    def _step_batch(self) -> None:
+        """One decode step for every batched sequence, and one prefill chunk."""
+        try:
+            _, responses = self._batch.next()
+        except Exception as e:
+            logger.exception("batched generation failed")
+            error = e.with_traceback(None)
+            for seq in self._batched.values():
+                seq.stream.put(error)
+                self._active.remove(seq)
+            self._reset_batch()
+            return
+        if responses:
+            self._batch_steps += 1
+            self._batch_tokens += len(responses)
+        for response in responses:
+            seq = self._batched.get(response.uid)
+            if seq is None:
+                continue
+            done = seq.emit(response.token)
+            if response.finish_reason is None:
+                if done:
+                    self._retire(seq)
+                continue
+            if not done:
+                seq.finish("length")
+            # The row already left the batch, with its KV cache.
+            self._retire(seq, state=(response.prompt_cache, response.all_tokens))
+
     def _retire(
-        self, seq: _Sequence, failed: bool = False, save_cache: bool = True
+        self,
+        seq: _Sequence,
+        failed: bool = False,
+        save_cache: bool = True,
+        state: tuple | None = None,
     ) -> None:
-        seq.close()
-        if save_cache:
-            seq.save_cache(failed)
+        """Drop a sequence; its KV cache goes to the prompt cache unless aborted."""
+        if seq.uid is not None:
+            del self._batched[seq.uid]
+            if state is None:
+                removed = self._batch.remove([seq.uid], return_prompt_caches=save_cache)
+                state = removed.get(seq.uid)
+        else:
+            state = seq.close_single(failed)
         self._active.remove(seq)
+        if save_cache and state is not None:
+            self._save_cache(seq.request, *state)
         if seq.metrics is not None:
             self.last_metrics = seq.metrics
         if not self._active:
             self._publish()
 
+    def _save_cache(self, request: GenerationRequest, kv_cache: list, tokens) -> None:
+        """Keep a KV cache for the next request to reuse."""
+        # Cancelled prefill keeps whole chunks, so the offset can fall short.
+        length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
+        if length > 1:
+            self._prompt_cache.insert_cache(
+                request.model_generation, list(tokens[:length]), kv_cache
+            )
+
     def _abort_all(self, reason: str) -> None:
-        for seq in list(self._active):
-            # Unload clears the cache, shutdown ends it, and a failed loop's
-            # state is suspect: nothing here is worth keeping.
+        # Unload clears the cache, shutdown ends it, and a failed loop's state
+        # is suspect: nothing here is worth keeping.
+        for seq in self._active:
             seq.stream.put(Aborted(reason))
-            self._retire(seq, save_cache=False)
+            if seq.uid is None:
+                seq.tokens.close()
+        self._active.clear()
+        self._reset_batch()
+
+    def _reset_batch(self) -> None:
+        """Drop every batched row: a fresh BatchGenerator for the loaded model."""
+        self._batched.clear()
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = self._make_batch(self.info.options)
 
     def _publish(self) -> None:
         state = self._state
@@ -507,12 +612,17 @@ class Engine:
             prompt_cache_bytes=self._prompt_cache.nbytes,
             prompt_cache_reused_tokens=self._reused_tokens,
             prompt_tokens_prefilled=self._prefilled_tokens,
+            batch_decode_steps=self._batch_steps,
+            batch_decode_tokens=self._batch_tokens,
         )
         self.stats = EngineStats(state, len(self._active), memory)
 
     def _unload(self) -> None:
         self._abort_all("the model was unloaded")
         self._prompt_cache.clear()
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
         self._loaded = None
         self.info = None
         self._generation += 1
@@ -554,6 +664,11 @@ class Engine:
             raise
         self._loaded, self.info = loaded, info
         self._generation = info.generation
+        why = unbatchable_reason(loaded.model, options.max_kv_size)
+        if why:
+            logger.info("requests run one sequence each: %s", why)
+        else:
+            self._batch = self._make_batch(options)
         self._prompt_cache = ThreadSafeLRUPromptCache(
             max_size=options.max_cache_entries,
             can_trim_fn=can_trim_prompt_cache,
@@ -566,6 +681,15 @@ class Engine:
         )
         self._state = "ready"
         return info
+
+    def _make_batch(self, options: LoadOptions) -> BatchGenerator:
+        return BatchGenerator(
+            self._loaded.model,
+            completion_batch_size=options.max_batch_size,
+            prefill_batch_size=options.prefill_batch_size,
+            prefill_step_size=options.prefill_step_size,
+            stream=mx.default_stream(mx.default_device()),
+        )
 
     def _free(self) -> None:
         self._unload()

@@ -307,6 +307,21 @@ def make_forcing_processor(tokens: Sequence[int], eos: int):
     return force
 
 
+def unbatchable_reason(model: nn.Module, max_kv_size: int | None) -> str | None:
+    """Why the model's requests can't share a BatchGenerator, or None when they can."""
+    if max_kv_size is not None:
+        # Batched rotating caches drop the kept prefix (keep=4) of the single path.
+        return "max_kv_size makes rotating KV caches"
+    kinds = {
+        type(c).__name__ for c in make_prompt_cache(model) if not hasattr(c, "merge")
+    }
+    if kinds:
+        return (
+            f"its KV caches ({', '.join(sorted(kinds))}) cannot be merged into a batch"
+        )
+    return None
+
+
 def make_kv_cache(model: nn.Module, max_kv_size: int | None) -> list:
     """The model's KV cache, plain KV layers made windows of ``max_kv_size`` tokens.
 

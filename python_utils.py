@@ -51,6 +51,9 @@ class LoadOptions:
     max_tokens: int | None = None
     # None: the compute path's default (mlx_utils.ComputePath).
     prefill_step_size: int | None = None
+    # Continuous batching: sequences decoded together, and prompts prefilled together.
+    max_batch_size: int = 32
+    prefill_batch_size: int = 8
     max_kv_size: int | None = None
     # The prompt cache: 0 entries turns it off; bytes default to a share of RAM.
     max_cache_entries: int = 10
@@ -116,6 +119,8 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
     parsed = LoadOptions(**values)
     for name in (
         "prefill_step_size",
+        "max_batch_size",
+        "prefill_batch_size",
         "repetition_context_size",
         "max_kv_size",
         "dequantize_max_bytes",

@@ -265,6 +265,102 @@ def test_concurrent_greedy_requests_get_the_same_answer(server):
     assert [r.message.decode() for r in results] == [ANSWER] * 3
 
 
+# -- continuous batching ------------------------------------------------------------
+
+BATCH_PROMPTS = [
+    QUESTION,
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Say hello in Spanish.",
+]
+
+
+def run_concurrently(calls) -> list:
+    """Start every call at once on its own thread; their results in order."""
+    results: list = [None] * len(calls)
+
+    def run(i):
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def batch_counters(server) -> tuple[int, int]:
+    breakdown = server.stub.Status(pb.HealthMessage()).memory.breakdown
+    return breakdown["batch_decode_steps"], breakdown["batch_decode_tokens"]
+
+
+def test_greedy_output_is_the_same_alone_and_batched(server):
+    def ask(text):
+        return lambda: server.stub.Predict(chat(text, Tokens=32)).message.decode()
+
+    alone = [ask(text)() for text in BATCH_PROMPTS]
+    steps, tokens = batch_counters(server)
+    batched = run_concurrently([ask(text) for text in BATCH_PROMPTS])
+    assert batched == alone
+    assert len(set(alone)) == len(alone)
+    # They shared decode steps: well over one token per step on average.
+    steps_after, tokens_after = batch_counters(server)
+    assert (tokens_after - tokens) / (steps_after - steps) > 2.5
+
+
+def test_a_cancelled_member_does_not_disturb_the_others(server):
+    def ask(text):
+        return server.stub.Predict(chat(text, Tokens=32)).message.decode()
+
+    alone = [ask(text) for text in BATCH_PROMPTS[:3]]
+
+    def cancelled():
+        stream = server.stub.PredictStream(chat(STORY_PROMPT, Tokens=200))
+        for i, _ in enumerate(stream):
+            if i == 5:
+                stream.cancel()
+                return "cancelled"
+
+    calls = [lambda t=t: ask(t) for t in BATCH_PROMPTS[:3]] + [cancelled]
+    assert run_concurrently(calls) == alone + ["cancelled"]
+    server.wait_for(pb.StatusResponse.READY, timeout=30)
+    assert "generation cancelled after" in server.logs()
+
+
+STORY_PROMPT = "Tell me a long story about a dragon."
+
+
+def test_unbatchable_models_fall_back_to_one_sequence_each(server):
+    assert server.stub.LoadModel(pb.ModelOptions(Options=["max_kv_size:256"])).success
+    try:
+        assert "requests run one sequence each: max_kv_size" in server.logs()
+        steps, _ = batch_counters(server)
+        replies = run_concurrently(
+            [lambda: server.stub.Predict(chat(Tokens=40)).message.decode()] * 2
+        )
+        assert replies == [ANSWER, ANSWER]
+        assert batch_counters(server)[0] == steps
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+
+
+def test_batch_options_are_validated(server):
+    for option in ("max_batch_size:0", "prefill_batch_size:-1"):
+        result = server.stub.LoadModel(pb.ModelOptions(Options=[option]))
+        assert not result.success and option.split(":")[0] in result.message
+    options = ["max_batch_size:2", "prefill_batch_size:1", "prefill_step_size:16"]
+    assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
+    try:
+        replies = run_concurrently(
+            [lambda: server.stub.Predict(chat(Tokens=40)).message.decode()] * 3
+        )
+        assert replies == [ANSWER] * 3
+    finally:
+        assert server.stub.LoadModel(pb.ModelOptions()).success
+
+
 def test_penalties_and_filters_are_accepted(server):
     reply = server.stub.Predict(
         chat(
