@@ -60,7 +60,11 @@ run: install
 test: install $(VENV)/.test-installed
 	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test_mlx_cache.py test.py test_chat_output.py
 
-bench: install
+$(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	touch $@
+
+bench: install $(VENV)/.bench-installed
 	$(PY) bench.py
 
 clean:

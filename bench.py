@@ -10,6 +10,8 @@
 3. Prompt cache: time to first token for a ~1500-token prompt, cold and warm (after
    a request that shared its prefix), and the prompt tokens actually prefilled over
    a 6-turn chat against the tokens new in each turn.
+4. Continuous batching (bench_batching.py): aggregate tokens/s, TTFT and inter-token
+   latency at 1 to 16 concurrent streams, next to mlx_lm.server on the same weights.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json.
@@ -37,7 +39,8 @@ from mlx_lm.sample_utils import make_logits_processors
 import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import maybe_reexec_with_fast_blas
-from gguf_loader import load_gguf
+from bench_batching import bench_batching
+from gguf_loader import export_mlx_folder, load_gguf
 from mlx_utils import default_model_path, prepare_for_cpu
 from python_utils import blas_choice_environment, fast_blas_in_use, find_fast_blas
 
@@ -331,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-rounds", type=int, default=2)
     parser.add_argument("--skip-cpu", action="store_true", help="skip part 2")
     parser.add_argument("--cache-rounds", type=int, default=3)
+    parser.add_argument("--batch-rounds", type=int, default=3)
+    parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--skip-batching", action="store_true", help="skip part 4")
+    parser.add_argument("--only-batching", action="store_true", help="run part 4 only")
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -341,9 +348,10 @@ def main(argv: list[str] | None = None) -> None:
     report, lines = {}, []
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         fast = stack.enter_context(running_server(folder, "fast"))
-        report["overhead"], part = bench_overhead(fast, args.rounds, args.tokens)
-        lines += part
-        if not args.skip_cpu and sys.platform == "linux":
+        if not args.only_batching:
+            report["overhead"], part = bench_overhead(fast, args.rounds, args.tokens)
+            lines += part
+        if not (args.skip_cpu or args.only_batching) and sys.platform == "linux":
             # The stock path, OpenBLAS where "auto" picked MKL, and the fast path.
             stubs = {}
             for name, choice in (("stock", "off"), ("openblas", "openblas")):
@@ -356,8 +364,25 @@ def main(argv: list[str] | None = None) -> None:
                 stubs, args.cpu_rounds, args.tokens
             )
             lines += [""] + part
-        report["prompt_cache"], part = bench_prompt_cache(fast, args.cache_rounds)
-        lines += [""] + part
+        if not args.only_batching:
+            report["prompt_cache"], part = bench_prompt_cache(fast, args.cache_rounds)
+            lines += [""] + part
+        if not args.skip_batching:
+            # mlx_lm.server gets the weights as this backend runs them.
+            breakdown = fast.Status(pb.HealthMessage()).memory.breakdown
+            dequantize = breakdown["dequantized_weights"] > 0
+            exported = export_mlx_folder(
+                default_model_path(), Path(folder) / "mlx", dequantize=dequantize
+            )
+            report["batching"], part = bench_batching(
+                fast,
+                str(exported),
+                folder,
+                args.batch_rounds,
+                args.batch_tokens,
+                Path(args.out).parent / "batching.png",
+            )
+            lines += [""] + part
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

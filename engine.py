@@ -130,27 +130,59 @@ class EngineStats:
     memory: dict[str, int]
 
 
+class _Outbox:
+    """Events for the handlers, sent once per engine step.
+
+    One ``call_soon_threadsafe`` per event loop and step wakes the handlers'
+    loop once for a whole batch, not once for every token of every stream.
+    """
+
+    def __init__(self):
+        self._pending: list[tuple[RequestStream, object]] = []
+
+    def put(self, stream: "RequestStream", event) -> None:
+        self._pending.append((stream, event))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        by_loop: dict = {}
+        for stream, event in self._pending:
+            by_loop.setdefault(stream.loop, []).append((stream, event))
+        self._pending = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                # The handlers' loop is gone; nobody is listening any more.
+                for stream, _ in items:
+                    stream.cancelled = True
+
+
+def _deliver(items: list) -> None:
+    for stream, event in items:
+        stream.queue.put_nowait(event)
+
+
 class RequestStream:
     """The handler's end of one generation, fed from the engine thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: _Outbox):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._outbox = outbox
         self.cancelled = False
 
     def put(self, event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:
-            # The handler's loop is gone; nobody is listening any more.
-            self.cancelled = True
+        """Queue ``event`` for the handler (engine thread only)."""
+        self._outbox.put(self, event)
 
     def cancel(self) -> None:
         self.cancelled = True
 
     async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
         while True:
-            event = await self._queue.get()
+            event = await self.queue.get()
             if isinstance(event, BaseException):
                 raise event
             yield event
@@ -308,6 +340,7 @@ class Engine:
 
     def __init__(self):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = _Outbox()
         self._active: list[_Sequence] = []
         # Batched sequences by BatchGenerator uid; None when the model can't batch.
         self._batch: BatchGenerator | None = None
@@ -336,7 +369,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, loop) -> RequestStream:
         self._check_open()
-        stream = RequestStream(loop)
+        stream = RequestStream(loop, self._outbox)
         self._inbox.put((request, stream))
         return stream
 
@@ -375,9 +408,11 @@ class Engine:
                 # Never let the thread die: every waiting handler would hang.
                 logger.exception("engine loop failed")
                 self._abort_all("the generation engine failed")
+            self._outbox.flush()
         self._closed = True
         self._abort_all("the backend is shutting down")
         self._drain_inbox()
+        self._outbox.flush()
 
     def _drain_inbox(self) -> None:
         """Answer whatever was queued behind the stop request."""
@@ -396,6 +431,8 @@ class Engine:
     def _schedule(self) -> bool:
         """Admit new work; block while idle. False when asked to stop."""
         while True:
+            if not self._active:
+                self._outbox.flush()  # before waiting for work
             try:
                 item = self._inbox.get(block=not self._active)
             except queue.Empty:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Export a GGUF model as an MLX-format folder (for mlx_lm.load or mlx_lm.server).
 
-Usage: python export_model.py [MODEL.gguf | default] OUTPUT_FOLDER
+Usage: python export_model.py [--dequantize] [MODEL.gguf | default] OUTPUT_FOLDER
 """
 
 import argparse
@@ -19,10 +19,15 @@ def main(argv: list[str] | None = None) -> None:
         "gguf", help="a .gguf file, or 'default' for the embedded model"
     )
     parser.add_argument("output", help="the MLX folder to write")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write float32 weights, as the fast Linux CPU path runs them",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     source = default_model_path() if args.gguf == "default" else args.gguf
-    folder = export_mlx_folder(source, args.output)
+    folder = export_mlx_folder(source, args.output, dequantize=args.dequantize)
     logger.info("exported %s to %s", source, folder)
 
 

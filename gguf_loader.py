@@ -16,9 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import _get_classes, dequantize_model
 from tokenizers import (
     AddedToken,
     Tokenizer,
@@ -248,12 +249,15 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
     return model, tokenizer, config
 
 
-def export_mlx_folder(path: str | Path, folder: str | Path) -> Path:
+def export_mlx_folder(
+    path: str | Path, folder: str | Path, dequantize: bool = False
+) -> Path:
     """Write a GGUF model as an MLX-format folder that ``mlx_lm.load`` reads.
 
     Args:
         path: The ``.gguf`` file.
         folder: The output folder; created if missing.
+        dequantize: Write float32 weights, as the fast Linux CPU path runs them.
 
     Returns:
         The output folder.
@@ -262,7 +266,12 @@ def export_mlx_folder(path: str | Path, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     weights, metadata = mx.load(str(path), return_metadata=True)
     config = make_config(metadata, weights)
-    weights = {translate_name(k): v for k, v in weights.items()}
+    if dequantize:
+        model = dequantize_model(make_model(config, weights))
+        model.set_dtype(mx.float32)
+        weights = dict(tree_flatten(model.parameters()))
+    else:
+        weights = {translate_name(k): v for k, v in weights.items()}
     quantization = {}
     for name in weights:
         if name.endswith(".scales"):

@@ -1,5 +1,7 @@
 """Unit tests for GGUF loading and the MLX helpers, on the real embedded model file."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load as load_mlx_folder
@@ -109,6 +111,20 @@ def test_export_folder_loads_with_mlx_lm_and_matches(loaded, tmp_path):
     expected = model(mx.array([ids]))
     actual = folder_model(mx.array([ids]))
     assert mx.array_equal(expected, actual).item()
+
+
+def test_dequantized_export_holds_float32_weights_that_agree(loaded, tmp_path):
+    model, tokenizer, _ = loaded
+    export_mlx_folder(default_model_path(), tmp_path, dequantize=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization" not in config
+    folder_model, _ = load_mlx_folder(str(tmp_path))
+    weight = folder_model.model.layers[0].self_attn.q_proj.weight
+    assert weight.dtype == mx.float32 and weight.shape == (576, 576)
+    ids = mx.array([tokenizer.encode("The capital of France is")])
+    expected, actual = model(ids)[0, -1], folder_model(ids)[0, -1]
+    assert mx.argmax(expected).item() == mx.argmax(actual).item()
+    assert mx.abs(expected - actual).max().item() < 0.25
 
 
 def test_seeded_sampler_is_deterministic_and_leaves_global_rng_alone():
