@@ -122,6 +122,8 @@ def run_level(make_stream, level: int, round: int) -> dict:
         t.start()
     for t in threads:
         t.join()
+    if not all(s.arrivals for s in streams):
+        raise RuntimeError("a stream returned no text: the figures would be wrong")
     begin = min(s.start for s in streams)
     end = max(s.arrivals[-1] for s in streams)
     ttfts = sorted(s.arrivals[0] - s.start for s in streams)

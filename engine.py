@@ -9,6 +9,7 @@ sequence) -> emit (events to the handlers' queues).
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import gc
 import logging
@@ -407,12 +408,17 @@ class Engine:
             except Exception:
                 # Never let the thread die: every waiting handler would hang.
                 logger.exception("engine loop failed")
-                self._abort_all("the generation engine failed")
+                try:
+                    self._abort_all("the generation engine failed")
+                except Exception:
+                    logger.exception("could not abort the running generations")
             self._outbox.flush()
         self._closed = True
-        self._abort_all("the backend is shutting down")
-        self._drain_inbox()
-        self._outbox.flush()
+        try:
+            self._abort_all("the backend is shutting down", rebuild=False)
+        finally:
+            self._drain_inbox()
+            self._outbox.flush()
 
     def _drain_inbox(self) -> None:
         """Answer whatever was queued behind the stop request."""
@@ -567,9 +573,10 @@ class Engine:
             logger.exception("batched generation failed")
             error = e.with_traceback(None)
             for seq in self._batched.values():
-                seq.stream.put(error)
+                # Each handler raises its own copy, with its own traceback.
+                seq.stream.put(copy.copy(error))
                 self._active.remove(seq)
-            self._reset_batch()
+            self._reset_batch(rebuild=True)
             return
         if responses:
             self._batch_steps += 1
@@ -620,7 +627,7 @@ class Engine:
                 request.model_generation, list(tokens[:length]), kv_cache
             )
 
-    def _abort_all(self, reason: str) -> None:
+    def _abort_all(self, reason: str, rebuild: bool = True) -> None:
         # Unload clears the cache, shutdown ends it, and a failed loop's state
         # is suspect: nothing here is worth keeping.
         for seq in self._active:
@@ -628,14 +635,22 @@ class Engine:
             if seq.uid is None:
                 seq.tokens.close()
         self._active.clear()
-        self._reset_batch()
+        # Tell the handlers now: an unload may be followed by a long load.
+        self._outbox.flush()
+        self._reset_batch(rebuild)
 
-    def _reset_batch(self) -> None:
-        """Drop every batched row: a fresh BatchGenerator for the loaded model."""
+    def _reset_batch(self, rebuild: bool) -> None:
+        """Drop every batched row; a fresh BatchGenerator when ``rebuild``."""
         self._batched.clear()
-        if self._batch is not None:
+        if self._batch is None:
+            return
+        try:
             self._batch.close()
-            self._batch = self._make_batch(self.info.options)
+        except Exception:
+            logger.exception("closing the batch generator failed")
+        self._batch = (
+            self._make_batch(self._loaded.model, self.info.options) if rebuild else None
+        )
 
     def _publish(self) -> None:
         state = self._state
@@ -655,14 +670,12 @@ class Engine:
         self.stats = EngineStats(state, len(self._active), memory)
 
     def _unload(self) -> None:
-        self._abort_all("the model was unloaded")
+        self._abort_all("the model was unloaded", rebuild=False)
         self._prompt_cache.clear()
-        if self._batch is not None:
-            self._batch.close()
-            self._batch = None
         self._loaded = None
         self.info = None
         self._generation += 1
+        gc.unfreeze()
         gc.collect()
         release_memory()
 
@@ -696,16 +709,15 @@ class Engine:
                 compute_path=compute_path,
                 markers=make_output_markers(loaded.tokenizer),
             )
+            why = unbatchable_reason(loaded.model, options.max_kv_size)
+            if why:
+                logger.info("requests run one sequence each: %s", why)
+            batch = None if why else self._make_batch(loaded.model, options)
         except Exception:
             self._state = "error"
             raise
-        self._loaded, self.info = loaded, info
+        self._loaded, self.info, self._batch = loaded, info, batch
         self._generation = info.generation
-        why = unbatchable_reason(loaded.model, options.max_kv_size)
-        if why:
-            logger.info("requests run one sequence each: %s", why)
-        else:
-            self._batch = self._make_batch(options)
         self._prompt_cache = ThreadSafeLRUPromptCache(
             max_size=options.max_cache_entries,
             can_trim_fn=can_trim_prompt_cache,
@@ -717,13 +729,19 @@ class Engine:
             ),
         )
         self._state = "ready"
+        # The loaded model's objects live until the next load: keep the garbage
+        # collector from scanning them while tokens stream.
+        gc.collect()
+        gc.freeze()
         return info
 
-    def _make_batch(self, options: LoadOptions) -> BatchGenerator:
+    @staticmethod
+    def _make_batch(model, options: LoadOptions) -> BatchGenerator:
         return BatchGenerator(
-            self._loaded.model,
+            model,
             completion_batch_size=options.max_batch_size,
-            prefill_batch_size=options.prefill_batch_size,
+            # BatchGenerator raises its decode limit to the prefill batch size.
+            prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
             prefill_step_size=options.prefill_step_size,
             stream=mx.default_stream(mx.default_device()),
         )

@@ -350,13 +350,17 @@ def test_batch_options_are_validated(server):
     for option in ("max_batch_size:0", "prefill_batch_size:-1"):
         result = server.stub.LoadModel(pb.ModelOptions(Options=[option]))
         assert not result.success and option.split(":")[0] in result.message
-    options = ["max_batch_size:2", "prefill_batch_size:1", "prefill_step_size:16"]
+    options = ["max_batch_size:2", "prefill_step_size:16"]
     assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
     try:
+        steps, tokens = batch_counters(server)
         replies = run_concurrently(
-            [lambda: server.stub.Predict(chat(Tokens=40)).message.decode()] * 3
+            [lambda: server.stub.Predict(chat(Tokens=40)).message.decode()] * 4
         )
-        assert replies == [ANSWER] * 3
+        assert replies == [ANSWER] * 4
+        # Never more than two rows per step, even with eight prompts per prefill.
+        steps_after, tokens_after = batch_counters(server)
+        assert 1 < (tokens_after - tokens) / (steps_after - steps) <= 2
     finally:
         assert server.stub.LoadModel(pb.ModelOptions()).success
 
