@@ -35,6 +35,7 @@ from python_utils import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    TemplateArgs,
     Unimplemented,
     convert_messages,
     encode_prompt,
@@ -145,25 +146,27 @@ def parse_sampling(request, info: ModelInfo) -> SamplingParams:
     )
 
 
-def parse_prompt(request, info: ModelInfo) -> list[int]:
-    """Prompt token ids: the chat template over ``Messages``, or ``Prompt`` as given."""
-    tools = request.Tools
-    parse_tools(tools)
+def parse_prompt(request, info: ModelInfo) -> tuple[list[int], TemplateArgs | None]:
+    """Prompt token ids (the chat template over ``Messages``, or ``Prompt`` as given),
+    and the template arguments of a chat."""
     if request.UseTokenizerTemplate and request.Messages:
-        messages = convert_messages(request.Messages)
         args = parse_template_args(
-            tools,
+            request.Tools,
             request.ToolChoice,
             dict(request.Metadata),
             info.options.enable_thinking,
         )
-        return render_chat(info.tokenizer, messages, args)
-    return encode_prompt(info.tokenizer, request.Prompt)
+        messages = convert_messages(request.Messages)
+        return render_chat(info.tokenizer, messages, args), args
+    parse_tools(request.Tools)  # malformed Tools is refused whatever the prompt
+    return encode_prompt(info.tokenizer, request.Prompt), None
 
 
-def parse_output(request, info: ModelInfo, prompt: list[int]) -> OutputOptions:
+def parse_output(
+    request, info: ModelInfo, prompt: list[int], chat: TemplateArgs | None
+) -> OutputOptions:
     """How the reply is classified: chat-template requests only, as the model marks up."""
-    if not (request.UseTokenizerTemplate and request.Messages):
+    if chat is None:
         return OutputOptions()
     tokenizer = info.tokenizer
     # A template that opens the assistant turn inside thinking ends the prompt there.
@@ -174,7 +177,7 @@ def parse_output(request, info: ModelInfo, prompt: list[int]) -> OutputOptions:
         classify=True,
         reasoning_open=opened,
         parse_tool_calls=parse_tool_choice(request.ToolChoice) != "none",
-        tools=parse_tools(request.Tools),
+        tools=chat.tools,
     )
 
 
@@ -193,7 +196,7 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
     """Parse ``PredictOptions`` once into the engine's request type."""
     sampling = parse_sampling(request, info)
     forced = parse_forcing(request, info)
-    prompt = parse_prompt(request, info)
+    prompt, chat = parse_prompt(request, info)
     if not prompt:
         raise InvalidArgument("Prompt: the prompt is empty (set Prompt or Messages)")
     room = info.context_size - len(prompt)
@@ -209,7 +212,7 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
         sampling=sampling,
         stop=tuple(s for s in request.StopPrompts if s),
         ignore_eos=request.IgnoreEOS,
-        output=parse_output(request, info, prompt),
+        output=parse_output(request, info, prompt, chat),
         forced_tokens=forced,
         model_generation=info.generation,
     )
@@ -329,7 +332,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     @grpc_errors
     async def TokenizeString(self, request, context):
         info = self._model(request.ModelIdentity)
-        tokens = await asyncio.to_thread(parse_prompt, request, info)
+        tokens, _ = await asyncio.to_thread(parse_prompt, request, info)
         return backend_pb2.TokenizationResponse(length=len(tokens), tokens=tokens)
 
     @grpc_errors

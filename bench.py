@@ -39,7 +39,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import maybe_reexec_with_fast_blas
-from bench_batching import bench_batching
+from bench_batching import bench_batching, percentile
 from gguf_loader import export_mlx_folder, load_gguf
 from mlx_utils import default_model_path, prepare_for_cpu
 from python_utils import blas_choice_environment, fast_blas_in_use, find_fast_blas
@@ -167,8 +167,8 @@ def health_latency(stub, tokens: int) -> dict:
     samples.sort()
     return {
         "samples": len(samples),
-        "p50_ms": statistics.median(samples),
-        "p95_ms": samples[int(0.95 * (len(samples) - 1))],
+        "p50_ms": percentile(samples, 0.5),
+        "p95_ms": percentile(samples, 0.95),
         "max_ms": samples[-1],
     }
 

@@ -177,21 +177,14 @@ class OutputParser:
 
     def finish(self) -> Delta:
         """Classify what is still held back: a marker never completed is text."""
-        if self._state[0] is None:
-            segments = []  # a stop string ended the text
-        else:
+        segments = []
+        if self._state[0] is not None:  # else a stop string ended the text
             self._state, rest, current = TextStateMachine.flush(self._state)
-            segments = [(current, rest)]
-        content, reasoning, calls = self._classify(segments)
-        if self._current == TOOL:
-            self._close_call(content, calls, closed=False)
-        return Delta("".join(content), "".join(reasoning), tuple(calls))
+            segments.append((current, rest))
+        # The end closes a tool call still open, unfinished.
+        return self._collect(segments + [(None, "")])
 
     def _collect(self, segments) -> Delta:
-        content, reasoning, calls = self._classify(segments)
-        return Delta("".join(content), "".join(reasoning), tuple(calls))
-
-    def _classify(self, segments):
         content: list[str] = []
         reasoning: list[str] = []
         calls: list[ToolCall] = []
@@ -211,7 +204,7 @@ class OutputParser:
                 reasoning.append(text)
             elif state == NORMAL:
                 content.append(text)
-        return content, reasoning, calls
+        return Delta("".join(content), "".join(reasoning), tuple(calls))
 
     def _close_call(self, content: list, calls: list, closed: bool) -> None:
         text = "".join(self._call_text)

@@ -221,13 +221,15 @@ class _Sequence:
         self.first_token_at: float | None = None
         self.metrics: RequestMetrics | None = None
         self.uid: int | None = None
-        self.tokens = None  # the single path's generate_step
+        # The single path: its generate_step, KV cache, and every token the model
+        # has been given a step for, prompt first.
+        self.tokens = None
         self.kv_cache: list | None = None
-        # Every token the model has been given a step for, prompt first.
-        self.fed = list(request.prompt)
+        self.fed: list[int] = []
 
     def start_single(self, model, kv_cache, rest, sampler, processors, step_size):
         self.kv_cache = kv_cache
+        self.fed = list(self.request.prompt)
         self.tokens = generate_step(
             mx.array(rest),
             model,
