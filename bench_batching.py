@@ -86,15 +86,25 @@ def http_stream(port: int, model: str, prompt: str, tokens: int, eos: int) -> St
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.perf_counter()
-    connection.request(
-        "POST",
-        "/v1/chat/completions",
-        json.dumps(body),
-        {"Content-Type": "application/json"},
-    )
-    response = connection.getresponse()
+    for attempt in range(5):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        try:
+            connection.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(body),
+                {"Content-Type": "application/json"},
+            )
+            response = connection.getresponse()
+            break
+        except (ConnectionResetError, http.client.RemoteDisconnected):
+            # http.server's listen backlog of 5 can drop a burst of connections;
+            # the retry's time still counts from the first attempt.
+            connection.close()
+            logger.info("mlx_lm.server reset a connection; retrying")
+    else:
+        raise RuntimeError("mlx_lm.server kept resetting the connection")
     arrivals = []
     count = 0
     for line in response:
@@ -112,16 +122,22 @@ def http_stream(port: int, model: str, prompt: str, tokens: int, eos: int) -> St
 
 def run_level(make_stream, level: int, round: int) -> dict:
     """``level`` concurrent streams; throughput and latency figures."""
-    streams: list[Stream | None] = [None] * level
+    streams: list = [None] * level
 
     def run(i):
-        streams[i] = make_stream(prompt_for(level, round, i))
+        try:
+            streams[i] = make_stream(prompt_for(level, round, i))
+        except Exception as e:
+            streams[i] = e
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(level)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    for s in streams:
+        if isinstance(s, Exception):
+            raise RuntimeError(f"a stream failed: {s!r}") from s
     if not all(s.arrivals for s in streams):
         raise RuntimeError("a stream returned no text: the figures would be wrong")
     begin = min(s.start for s in streams)
