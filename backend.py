@@ -12,7 +12,9 @@ import functools
 import hmac
 import importlib.metadata
 import inspect
+import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -26,7 +28,16 @@ from grpc_reflection.v1alpha import reflection
 import backend_pb2
 import backend_pb2_grpc
 from chat_output import Delta, OutputOptions, merge_deltas
-from engine import Engine, Finished, GenerationRequest, ModelInfo, SamplingParams
+from engine import (
+    EmbeddingRequest,
+    Engine,
+    Finished,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    ScoreRequest,
+    TokenLogprob,
+)
 from python_utils import (
     FAST_BLAS_ENV,
     FAST_BLAS_INSTALL,
@@ -44,6 +55,7 @@ from python_utils import (
     parse_duration,
     parse_forced_tokens,
     parse_logit_bias,
+    parse_logprobs,
     parse_options,
     parse_template_args,
     parse_tool_choice,
@@ -214,11 +226,104 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
         ignore_eos=request.IgnoreEOS,
         output=parse_output(request, info, prompt, chat),
         forced_tokens=forced,
+        logprobs=parse_logprobs(request.Logprobs, request.TopLogprobs),
+        grammar=info.grammars.compile(request.Grammar) if request.Grammar else None,
         model_generation=info.generation,
     )
 
 
-def _reply(delta: Delta, whole: bool = False, **fields) -> backend_pb2.Reply:
+def _check_tokens(field: str, tokens, info: ModelInfo) -> None:
+    for i, token in enumerate(tokens):
+        if not 0 <= token < info.vocab_size:
+            raise InvalidArgument(
+                f"{field}[{i}]: {token} is outside the vocabulary "
+                f"(0..{info.vocab_size - 1})"
+            )
+
+
+def _check_fits(field: str, length: int, info: ModelInfo) -> None:
+    if length > info.context_size:
+        raise InvalidArgument(
+            f"{field}: {length} tokens do not fit the context size of "
+            f"{info.context_size} tokens"
+        )
+
+
+def parse_embedding(request, info: ModelInfo) -> EmbeddingRequest:
+    """The tokens to embed: ``EmbeddingTokens`` as given, or ``Embeddings`` encoded."""
+    if not info.embeddings:
+        raise FailedPrecondition(
+            "Embedding: this model's architecture does not expose its hidden states"
+        )
+    if request.EmbeddingTokens:
+        tokens = list(request.EmbeddingTokens)
+        _check_tokens("EmbeddingTokens", tokens, info)
+        field = "EmbeddingTokens"
+    else:
+        tokens = encode_prompt(info.tokenizer, request.Embeddings)
+        field = "Embeddings"
+    if not tokens:
+        raise InvalidArgument(
+            "Embeddings: the input is empty (set Embeddings or EmbeddingTokens)"
+        )
+    _check_fits(field, len(tokens), info)
+    return EmbeddingRequest(tokens=tuple(tokens), model_generation=info.generation)
+
+
+def parse_score(request, info: ModelInfo) -> ScoreRequest:
+    """The prompt's tokens, and each candidate's, encoded without special tokens."""
+    if not request.candidates:
+        raise InvalidArgument("candidates: the list is empty")
+    for i, candidate in enumerate(request.candidates):
+        if not candidate:
+            raise InvalidArgument(f"candidates[{i}]: the candidate is empty")
+    prompt = encode_prompt(info.tokenizer, request.prompt)
+    if not prompt:
+        raise InvalidArgument("prompt: the prompt is empty")
+    candidates = []
+    for i, candidate in enumerate(request.candidates):
+        tokens = info.tokenizer.encode(candidate, add_special_tokens=False)
+        if not tokens:
+            raise InvalidArgument(f"candidates[{i}]: the candidate has no tokens")
+        _check_fits(f"candidates[{i}]", len(prompt) + len(tokens), info)
+        candidates.append(tuple(tokens))
+    return ScoreRequest(
+        prompt=tuple(prompt),
+        candidates=tuple(candidates),
+        model_generation=info.generation,
+    )
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0.
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _logprob_json(token: bytes, logprob: float) -> dict:
+    return {
+        "token": token.decode("utf-8", errors="replace"),
+        "logprob": _finite(logprob),
+        "bytes": list(token),
+    }
+
+
+def logprobs_json(entries: list[TokenLogprob]) -> bytes:
+    """``Reply.logprobs``: OpenAI's chat logprobs object, one entry per token."""
+    if not entries:
+        return b""
+    content = [
+        {
+            **_logprob_json(entry.token, entry.logprob),
+            "top_logprobs": [_logprob_json(t, v) for t, v in entry.top],
+        }
+        for entry in entries
+    ]
+    return json.dumps({"content": content}).encode()
+
+
+def _reply(
+    delta: Delta, logprobs=(), whole: bool = False, **fields
+) -> backend_pb2.Reply:
     """A Reply whose ``message`` is the visible content and whose delta is all of it.
 
     A stream leaves out empty deltas; ``whole`` (Predict) always carries one.
@@ -236,13 +341,17 @@ def _reply(delta: Delta, whole: bool = False, **fields) -> backend_pb2.Reply:
     return backend_pb2.Reply(
         message=delta.content.encode("utf-8"),
         chat_deltas=[chat_delta] if delta or whole else [],
+        logprobs=logprobs_json(logprobs),
         **fields,
     )
 
 
-def _final_reply(final: Finished, delta: Delta, whole: bool) -> backend_pb2.Reply:
+def _final_reply(
+    final: Finished, delta: Delta, logprobs, whole: bool
+) -> backend_pb2.Reply:
     return _reply(
         delta,
+        logprobs,
         whole,
         tokens=final.completion_tokens,
         prompt_tokens=final.prompt_tokens,
@@ -316,18 +425,19 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     @grpc_errors
     async def Predict(self, request, context):
-        deltas = []
+        deltas, logprobs = [], []
         async for event in self._generate(request, context):
-            deltas.append(event.delta if isinstance(event, Finished) else event)
-        return _final_reply(event, merge_deltas(deltas), whole=True)
+            deltas.append(event.delta)
+            logprobs += event.logprobs
+        return _final_reply(event, merge_deltas(deltas), logprobs, whole=True)
 
     @grpc_errors
     async def PredictStream(self, request, context):
         async for event in self._generate(request, context):
             if isinstance(event, Finished):
-                yield _final_reply(event, event.delta, whole=False)
+                yield _final_reply(event, event.delta, event.logprobs, whole=False)
             else:
-                yield _reply(event)
+                yield _reply(event.delta, event.logprobs)
 
     @grpc_errors
     async def TokenizeString(self, request, context):
@@ -338,12 +448,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     @grpc_errors
     async def Detokenize(self, request, context):
         info = self._model()
-        for i, token in enumerate(request.tokens):
-            if not 0 <= token < info.vocab_size:
-                raise InvalidArgument(
-                    f"tokens[{i}]: {token} is outside the vocabulary "
-                    f"(0..{info.vocab_size - 1})"
-                )
+        _check_tokens("tokens", request.tokens, info)
         text = await asyncio.to_thread(info.tokenizer.decode, list(request.tokens))
         return backend_pb2.DetokenizeResponse(content=text)
 
@@ -358,17 +463,54 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     @grpc_errors
     async def Embedding(self, request, context):
-        raise Unimplemented("Embedding is not implemented yet by the MLX backend")
+        info = self._model(request.ModelIdentity)
+        parsed = await asyncio.to_thread(parse_embedding, request, info)
+        vector = await asyncio.wrap_future(self.engine.embed(parsed))
+        return backend_pb2.EmbeddingResult(
+            embeddings=vector,
+            tokens=1,
+            dim=len(vector),
+            prompt_tokens=len(parsed.tokens),
+            layout=backend_pb2.EMBEDDING_LAYOUT_FINAL,
+        )
 
     @grpc_errors
     async def Score(self, request, context):
-        raise Unimplemented("Score is not implemented yet by the MLX backend")
+        info = self._model(request.ModelIdentity)
+        parsed = await asyncio.to_thread(parse_score, request, info)
+        scores = await asyncio.wrap_future(self.engine.score(parsed))
+        results = []
+        for tokens, logprobs in zip(parsed.candidates, scores):
+            total = sum(logprobs)
+            results.append(
+                backend_pb2.CandidateScore(
+                    log_prob=total,
+                    length_normalized_log_prob=(
+                        total / len(tokens) if request.length_normalize else 0.0
+                    ),
+                    tokens=(
+                        [
+                            backend_pb2.TokenLogProb(
+                                token=info.token_bytes.of(t).decode(
+                                    "utf-8", errors="replace"
+                                ),
+                                log_prob=value,
+                            )
+                            for t, value in zip(tokens, logprobs)
+                        ]
+                        if request.include_token_logprobs
+                        else []
+                    ),
+                    num_tokens=len(tokens),
+                )
+            )
+        return backend_pb2.ScoreResponse(candidates=results)
 
     @grpc_errors
     async def GetMetrics(self, request, context):
         metrics = self.engine.last_metrics
         return backend_pb2.MetricsResponse(
-            slot_id=0,
+            slot_id=metrics.slot_id,
             tokens_per_second=metrics.tokens_per_second,
             tokens_generated=metrics.tokens_generated,
             prompt_tokens_processed=metrics.prompt_tokens_processed,

@@ -3,7 +3,8 @@
 
 1. Server overhead: gRPC PredictStream against mlx-lm's own stream_generate on
    the same compute path, greedy, with EOS banned so every run decodes the same
-   number of tokens; plus Health latency while a long generation streams.
+   number of tokens; the same stream with logprobs (top 5 alternatives); plus
+   Health latency while a long generation streams.
 2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels), float32
    weights on OpenBLAS, and the fast path that ``auto`` picks (MKL on x86_64):
    prefill on a 1000-token prompt, decode, and peak memory.
@@ -53,6 +54,7 @@ LONG_TEXT = (
     "night its keeper climbed the spiral stairs to light the lamp. "
 )
 PREFILL_TOKENS = 1000
+TOP_LOGPROBS = 5
 
 
 @contextmanager
@@ -91,8 +93,8 @@ def chat_request(tokens: int, **fields) -> pb.PredictOptions:
     )
 
 
-def server_decode(stub, tokens: int, eos: int) -> dict:
-    request = chat_request(tokens, LogitBias=json.dumps({str(eos): -1e9}))
+def server_decode(stub, tokens: int, eos: int, **fields) -> dict:
+    request = chat_request(tokens, LogitBias=json.dumps({str(eos): -1e9}), **fields)
     start = time.perf_counter()
     first = None
     for reply in stub.PredictStream(request):
@@ -183,13 +185,20 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
     eos = next(iter(tokenizer.eos_token_ids))
     server_decode(stub, 16, eos)  # warm both sides once
     library_decode(model, tokenizer, 16, eos)
-    runs = {"grpc": [], "mlx_lm": []}
+    runs = {"grpc": [], "mlx_lm": [], "logprobs": []}
     for i in range(rounds):
         logger.info("overhead round %d/%d", i + 1, rounds)
         runs["grpc"].append(server_decode(stub, tokens, eos))
         runs["mlx_lm"].append(library_decode(model, tokenizer, tokens, eos))
+        runs["logprobs"].append(
+            server_decode(
+                stub, tokens, eos, Logprobs=TOP_LOGPROBS, TopLogprobs=TOP_LOGPROBS
+            )
+        )
     health = health_latency(stub, tokens)
-    grpc_tps, lib_tps = (median_of(runs[k], "decode_tps") for k in ("grpc", "mlx_lm"))
+    grpc_tps, lib_tps, logprobs_tps = (
+        median_of(runs[k], "decode_tps") for k in ("grpc", "mlx_lm", "logprobs")
+    )
     ratio = grpc_tps / lib_tps
     lines = [
         f"1. server overhead: decode {tokens} tokens, median of {rounds} alternating "
@@ -199,12 +208,20 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
         f"{median_of(runs['mlx_lm'], 'ttft_s'):>10.3f}",
         f"{'gRPC PredictStream':<28}{grpc_tps:>14.2f}"
         f"{median_of(runs['grpc'], 'ttft_s'):>10.3f}",
+        f"{f'  + logprobs, top {TOP_LOGPROBS}':<28}{logprobs_tps:>14.2f}"
+        f"{median_of(runs['logprobs'], 'ttft_s'):>10.3f}",
         f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)",
+        f"logprobs / plain gRPC decode ratio: {logprobs_tps / grpc_tps:.3f}",
         f"Health during generation: p50 {health['p50_ms']:.2f} ms, "
         f"p95 {health['p95_ms']:.2f} ms, max {health['max_ms']:.2f} ms "
         f"over {health['samples']} calls",
     ]
-    report = {"runs": runs, "grpc_over_mlx_lm": ratio, "health": health}
+    report = {
+        "runs": runs,
+        "grpc_over_mlx_lm": ratio,
+        "logprobs_over_plain": logprobs_tps / grpc_tps,
+        "health": health,
+    }
     return report, lines
 
 

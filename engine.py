@@ -32,23 +32,36 @@ from chat_output import (
     make_output_markers,
     merge_deltas,
 )
+from grammar import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarState,
+    make_grammar_processor,
+)
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import (
     ComputePath,
+    EmbeddingBatch,
     LoadedModel,
+    TokenBytes,
+    gather_logprobs,
+    hidden_state_model,
     load_model,
     make_forcing_processor,
     make_kv_cache,
     make_processors,
     make_seeded_sampler,
+    make_token_bytes,
     memory_snapshot,
     physical_memory,
+    prefill_for_logprobs,
     prepare_for_cpu,
     release_memory,
+    score_continuations,
     see_cached_prompt,
     unbatchable_reason,
 )
-from python_utils import Aborted, FailedPrecondition, LoadOptions
+from python_utils import Aborted, FailedPrecondition, InvalidArgument, LoadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +97,41 @@ class GenerationRequest:
     output: OutputOptions = OutputOptions()
     # Testing aid: generate exactly these tokens (the forced_tokens load option).
     forced_tokens: tuple[int, ...] | None = None
+    # Logprobs with this many alternatives per token; None: no logprobs.
+    logprobs: int | None = None
+    grammar: CompiledGrammar | None = None
     # The load the prompt was tokenized for; a request for a replaced model is refused.
     model_generation: int = 0
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    tokens: tuple[int, ...]
+    model_generation: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    prompt: tuple[int, ...]
+    candidates: tuple[tuple[int, ...], ...]
+    model_generation: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its bytes, logprob and the best alternatives."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Output:
+    """Streamed text, with the logprobs of the tokens it completes."""
+
+    delta: Delta
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +144,7 @@ class Finished:
     prompt_seconds: float
     generation_seconds: float
     finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +154,7 @@ class RequestMetrics:
     tokens_generated: int = 0
     tokens_per_second: float = 0.0
     prompt_tokens_processed: int = 0
+    slot_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +170,10 @@ class ModelInfo:
     generation: int
     compute_path: ComputePath = ComputePath("")
     markers: OutputMarkers = OutputMarkers()
+    token_bytes: TokenBytes = TokenBytes((), False)
+    # Whether the model's final hidden states can be read (for Embedding).
+    embeddings: bool = False
+    grammars: GrammarCompiler | None = None
 
 
 @dataclass(frozen=True)
@@ -181,7 +233,7 @@ class RequestStream:
     def cancel(self) -> None:
         self.cancelled = True
 
-    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
+    async def __aiter__(self) -> AsyncIterator[Output | Finished]:
         while True:
             event = await self.queue.get()
             if isinstance(event, BaseException):
@@ -206,16 +258,23 @@ class _Sequence:
         self,
         request: GenerationRequest,
         stream: RequestStream,
-        tokenizer,
-        markers: OutputMarkers,
+        info: ModelInfo,
         reused: int,
+        slot: int,
     ):
+        tokenizer = info.tokenizer
         self.request = request
         self.stream = stream
         self.reused = reused
+        self.slot = slot
+        self.token_bytes = info.token_bytes
+        # Logprob entries of tokens whose text has not gone out yet.
+        self.logprobs: list[TokenLogprob] = []
+        self.text_started = False
+        self.grammar: GrammarState | None = None
         self.eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
         self.detokenizer = tokenizer.detokenizer
-        self.output = OutputParser(markers, request.stop, request.output)
+        self.output = OutputParser(info.markers, request.stop, request.output)
         self.generated = 0
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -253,20 +312,35 @@ class _Sequence:
     def advance(self) -> bool:
         """Single path: generate one token and emit it; True when done."""
         try:
-            token, _ = next(self.tokens)
+            token, logprobs = next(self.tokens)
         except StopIteration:
             return self.finish("length")
         # generate_step runs the step for a token before yielding it.
         self.fed.append(token)
-        return self.emit(token)
+        top = self.request.logprobs
+        scored = None if top is None else gather_logprobs([logprobs], [token], top)[0]
+        return self.emit(token, scored)
 
-    def emit(self, token: int) -> bool:
-        """Emit one generated token's text; True when the sequence is done."""
+    def emit(self, token: int, scored: tuple | None = None) -> bool:
+        """Emit one generated token's text; True when the sequence is done.
+
+        ``scored`` is the token's logprob and its best alternatives, when asked for.
+        """
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        if self.grammar is not None and self.grammar.error is not None:
+            self.stream.put(
+                InvalidArgument(
+                    f"Grammar: generation stopped after {self.generated} tokens: "
+                    f"{self.grammar.error}"
+                )
+            )
+            return True
         if token in self.eos:
             return self.finish("stop")
         self.generated += 1
+        if scored is not None:
+            self.logprobs.append(self._logprob_entry(token, *scored))
         self.detokenizer.add_token(token)
         if self.generated >= self.request.max_tokens:
             return self.finish("length")
@@ -274,8 +348,22 @@ class _Sequence:
         if stopped:
             return self.finish("stop", delta)
         if delta:
-            self.stream.put(delta)
+            self.stream.put(Output(delta, self._take_logprobs()))
         return False
+
+    def _logprob_entry(self, token: int, logprob: float, top: list) -> TokenLogprob:
+        text = self.token_bytes.of(token)
+        if not self.text_started and text:
+            self.text_started = True
+            if self.token_bytes.trims_first_space and text.startswith(b" "):
+                text = text[1:]
+        alternatives = tuple((self.token_bytes.of(t), value) for t, value in top)
+        return TokenLogprob(text, logprob, alternatives)
+
+    def _take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        entries = tuple(self.logprobs)
+        self.logprobs.clear()
+        return entries
 
     def finish(self, reason: str, delta: Delta | None = None) -> bool:
         if delta is None:
@@ -292,6 +380,7 @@ class _Sequence:
             tokens_generated=self.generated,
             tokens_per_second=self.generated / (now - first) if now > first else 0.0,
             prompt_tokens_processed=len(self.request.prompt) - self.reused,
+            slot_id=self.slot,
         )
         self.stream.put(
             Finished(
@@ -301,6 +390,7 @@ class _Sequence:
                 prompt_seconds=first - self.started,
                 generation_seconds=now - first,
                 finish_reason=reason,
+                logprobs=self._take_logprobs(),
             )
         )
         return True
@@ -348,6 +438,9 @@ class Engine:
         # Batched sequences by BatchGenerator uid; None when the model can't batch.
         self._batch: BatchGenerator | None = None
         self._batched: dict[int, _Sequence] = {}
+        # Embedding requests waiting, and the batch of them that is running.
+        self._embeddings: list[tuple[EmbeddingRequest, concurrent.futures.Future]] = []
+        self._embedding: tuple[EmbeddingBatch, list] | None = None
         self._loaded: LoadedModel | None = None
         self._generation = 0
         self._steps = 0
@@ -375,6 +468,17 @@ class Engine:
         stream = RequestStream(loop, self._outbox)
         self._inbox.put((request, stream))
         return stream
+
+    def embed(self, request: EmbeddingRequest) -> concurrent.futures.Future:
+        """The request's vector, computed between decode steps."""
+        self._check_open()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((request, future))
+        return future
+
+    def score(self, request: ScoreRequest) -> concurrent.futures.Future:
+        """Each candidate's per-token logprobs after the prompt."""
+        return self.call(self._score, request)
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the engine thread between steps."""
@@ -405,7 +509,7 @@ class Engine:
         while running:
             try:
                 running = self._schedule()
-                if running and self._active:
+                if running and self._busy():
                     self._step()
             except Exception:
                 # Never let the thread die: every waiting handler would hang.
@@ -431,24 +535,30 @@ class Engine:
                 return
             if item is None:
                 continue
-            if len(item) == 2:
+            if isinstance(item[0], GenerationRequest):
                 item[1].put(Aborted("the backend is shutting down"))
             else:
-                item[2].set_exception(Aborted("the backend is shutting down"))
+                item[-1].set_exception(Aborted("the backend is shutting down"))
+
+    def _busy(self) -> bool:
+        return bool(self._active or self._embeddings or self._embedding)
 
     def _schedule(self) -> bool:
         """Admit new work; block while idle. False when asked to stop."""
         while True:
-            if not self._active:
+            busy = self._busy()
+            if not busy:
                 self._outbox.flush()  # before waiting for work
             try:
-                item = self._inbox.get(block=not self._active)
+                item = self._inbox.get(block=not busy)
             except queue.Empty:
                 return True
             if item is None:
                 return False
-            if len(item) == 2:
+            if isinstance(item[0], GenerationRequest):
                 self._admit(*item)
+            elif isinstance(item[0], EmbeddingRequest):
+                self._queue_embedding(*item)
             else:
                 self._run_call(*item)
             self._publish()
@@ -463,7 +573,7 @@ class Engine:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
         try:
-            seq = self._start(request, stream)
+            seq = self._start(request, stream, self._free_slot())
         except Exception as e:
             logger.exception("could not start a generation")
             stream.put(e)
@@ -476,6 +586,11 @@ class Engine:
             len(request.prompt),
             seq.reused,
         )
+
+    def _free_slot(self) -> int:
+        """The lowest slot number no running sequence holds (as llama.cpp numbers them)."""
+        taken = {seq.slot for seq in self._active}
+        return next(slot for slot in range(len(taken) + 1) if slot not in taken)
 
     def _fetch_cache(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
         """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
@@ -495,11 +610,13 @@ class Engine:
             )
         return kv_cache, rest
 
-    def _start(self, request: GenerationRequest, stream: RequestStream) -> _Sequence:
+    def _start(
+        self, request: GenerationRequest, stream: RequestStream, slot: int
+    ) -> _Sequence:
         tokenizer = self._loaded.tokenizer
         kv_cache, rest = self._fetch_cache(request.prompt)
         reused = len(request.prompt) - len(rest)
-        seq = _Sequence(request, stream, tokenizer, self.info.markers, reused)
+        seq = _Sequence(request, stream, self.info, reused, slot)
         sampling = request.sampling
         sampler = make_seeded_sampler(
             sampling.temperature,
@@ -509,6 +626,12 @@ class Engine:
             sampling.seed,
         )
         processors = make_request_processors(request, tokenizer)
+        if request.grammar is not None:
+            # Last, so a finished grammar's end-of-sequence overrides any ban on it.
+            seq.grammar, processor = make_grammar_processor(
+                request.grammar, min(tokenizer.eos_token_ids), self.info.vocab_size
+            )
+            processors.append(processor)
         if self._batch is None:
             seq.start_single(
                 self._loaded.model,
@@ -535,9 +658,14 @@ class Engine:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(fn(*args))
+            result = fn(*args)
         except BaseException as e:
+            self._publish()
             future.set_exception(e)
+        else:
+            # Status must show the new state once the caller has the result.
+            self._publish()
+            future.set_result(result)
 
     def _step(self) -> None:
         for seq in list(self._active):
@@ -549,6 +677,8 @@ class Engine:
                 self._retire(seq)
         if self._batched:
             self._step_batch()
+        if self._embeddings or self._embedding:
+            self._step_embeddings()
         for seq in [s for s in self._active if s.uid is None]:
             try:
                 done = seq.advance()
@@ -583,11 +713,12 @@ class Engine:
         if responses:
             self._batch_steps += 1
             self._batch_tokens += len(responses)
+        scored = self._score_responses(responses)
         for response in responses:
             seq = self._batched.get(response.uid)
             if seq is None:
                 continue
-            done = seq.emit(response.token)
+            done = seq.emit(response.token, scored.get(response.uid))
             if response.finish_reason is None:
                 if done:
                     self._retire(seq)
@@ -596,6 +727,96 @@ class Engine:
                 seq.finish("length")
             # The row already left the batch, with its KV cache.
             self._retire(seq, state=(response.prompt_cache, response.all_tokens))
+
+    def _score_responses(self, responses) -> dict[int, tuple]:
+        """Logprob entries of the step's tokens, for the rows that asked for them."""
+        wanted = [
+            (r, seq.request.logprobs)
+            for r in responses
+            if (seq := self._batched.get(r.uid)) and seq.request.logprobs is not None
+        ]
+        if not wanted:
+            return {}
+        top = max(n for _, n in wanted)
+        values = gather_logprobs(
+            [r.logprobs for r, _ in wanted], [r.token for r, _ in wanted], top
+        )
+        return {
+            r.uid: (logprob, best[:n])
+            for (r, n), (logprob, best) in zip(wanted, values)
+        }
+
+    # -- embeddings and scores ----------------------------------------------
+
+    def _queue_embedding(self, request: EmbeddingRequest, future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        if self._loaded is None:
+            future.set_exception(
+                FailedPrecondition("no model is loaded: call LoadModel first")
+            )
+        elif request.model_generation != self._generation:
+            future.set_exception(
+                Aborted("the model was replaced while the request was queued")
+            )
+        else:
+            self._embeddings.append((request, future))
+
+    def _step_embeddings(self) -> None:
+        """One chunk of the running embedding batch; a new batch from the queue."""
+        try:
+            if self._embedding is None:
+                size = self.info.options.max_batch_size
+                waiting, self._embeddings = (
+                    self._embeddings[:size],
+                    self._embeddings[size:],
+                )
+                futures = [future for _, future in waiting]
+                self._embedding = (None, futures)  # failed, if the next line fails
+                batch = EmbeddingBatch(
+                    self._loaded.model,
+                    [request.tokens for request, _ in waiting],
+                    self.info.options.embedding_pooling,
+                    self.info.options.prefill_step_size,
+                )
+                self._embedding = (batch, futures)
+            batch, futures = self._embedding
+            if not batch.advance():
+                return
+            self._embedding = None
+            for future, vector in zip(futures, batch.vectors()):
+                future.set_result(vector)
+        except Exception as e:
+            logger.exception("embedding failed")
+            _, futures = self._embedding or (None, [])
+            self._embedding = None
+            for future in futures:
+                if not future.done():
+                    future.set_exception(copy.copy(e.with_traceback(None)))
+
+    def _score(self, request: ScoreRequest) -> list[list[float]]:
+        if self._loaded is None:
+            raise FailedPrecondition("no model is loaded: call LoadModel first")
+        if request.model_generation != self._generation:
+            raise Aborted("the model was replaced while the request was queued")
+        model, options = self._loaded.model, self.info.options
+        kv_cache, rest = self._fetch_cache(request.prompt)
+        reused = len(request.prompt) - len(rest)
+        self._reused_tokens += reused
+        self._prefilled_tokens += len(rest)
+        first = prefill_for_logprobs(model, rest, kv_cache, options.prefill_step_size)
+        # Candidates go in batches of about one prefill chunk of tokens.
+        budget = max(options.prefill_step_size, 1)
+        scores, group = [], []
+        for candidate in request.candidates:
+            group.append(candidate)
+            if len(group) * max(map(len, group)) >= budget:
+                scores += score_continuations(model, kv_cache, first, group)
+                group = []
+        if group:
+            scores += score_continuations(model, kv_cache, first, group)
+        self._save_cache(request, kv_cache, request.prompt)
+        return scores
 
     def _retire(
         self,
@@ -620,7 +841,7 @@ class Engine:
         if not self._active:
             self._publish()
 
-    def _save_cache(self, request: GenerationRequest, kv_cache: list, tokens) -> None:
+    def _save_cache(self, request, kv_cache: list, tokens) -> None:
         """Keep a KV cache for the next request to reuse."""
         # Cancelled prefill keeps whole chunks, so the offset can fall short.
         length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
@@ -637,6 +858,10 @@ class Engine:
             if seq.uid is None:
                 seq.tokens.close()
         self._active.clear()
+        _, running = self._embedding or (None, [])
+        for future in running + [future for _, future in self._embeddings]:
+            future.set_exception(Aborted(reason))
+        self._embedding, self._embeddings = None, []
         # Tell the handlers now: an unload may be followed by a long load.
         self._outbox.flush()
         self._reset_batch(rebuild)
@@ -699,17 +924,20 @@ class Engine:
                 )
             logger.info("compute path: %s", compute_path.description)
             config_limit = loaded.config.get("max_position_embeddings") or 4096
+            vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
             info = ModelInfo(
                 name=name,
                 source=loaded.source,
                 tokenizer=loaded.tokenizer,
                 context_size=context_size or config_limit,
-                vocab_size=loaded.config.get("vocab_size")
-                or len(loaded.tokenizer.vocab),
+                vocab_size=vocab_size,
                 options=options,
                 generation=self._generation + 1,
                 compute_path=compute_path,
                 markers=make_output_markers(loaded.tokenizer),
+                token_bytes=make_token_bytes(loaded.tokenizer),
+                embeddings=hidden_state_model(loaded.model) is not None,
+                grammars=GrammarCompiler(loaded.tokenizer, vocab_size),
             )
             why = unbatchable_reason(loaded.model, options.max_kv_size)
             if why:
@@ -745,7 +973,7 @@ class Engine:
             # BatchGenerator raises its decode limit to the prefill batch size.
             prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
             prefill_step_size=options.prefill_step_size,
-            stream=mx.default_stream(mx.default_device()),
+            stream=mx.new_stream(mx.default_device()),
         )
 
     def _free(self) -> None:

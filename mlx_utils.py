@@ -1,5 +1,6 @@
 """MLX and mlx-lm helpers: model resolution and loading, sampling, memory."""
 
+import copy
 import logging
 import os
 import secrets
@@ -19,7 +20,12 @@ from mlx_lm.sample_utils import (
     greedy_sampler,
     make_logits_processors,
 )
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+    _byte_decoder,
+)
 from mlx_lm.utils import dequantize_model, get_total_parameters
 from mlx_lm.utils import load as load_mlx_folder
 
@@ -372,3 +378,175 @@ def memory_snapshot() -> dict[str, int]:
 def release_memory() -> None:
     mx.clear_cache()
     mx.reset_peak_memory()
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Each token's bytes as the streaming detokenizer adds them to the text."""
+
+    table: tuple[bytes, ...]
+    # The detokenizer drops the first space of a reply; the first bytes do too.
+    trims_first_space: bool
+
+    def of(self, token: int) -> bytes:
+        return self.table[token] if 0 <= token < len(self.table) else b""
+
+
+def make_token_bytes(tokenizer: TokenizerWrapper) -> TokenBytes:
+    detokenizer = tokenizer.detokenizer
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        decoder = _byte_decoder()
+        table = tuple(
+            b"".join(
+                bytes((decoder[c],)) if c in decoder else c.encode("utf-8")
+                for c in piece
+            )
+            for piece in detokenizer.tokenmap
+        )
+        return TokenBytes(table, trims_first_space=True)
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        table = tuple(t.replace("\u2581".encode(), b" ") for t in detokenizer.tokenmap)
+        return TokenBytes(table, trims_first_space=detokenizer.trim_space)
+    tokens = range(len(tokenizer.vocab))
+    table = tuple(tokenizer.decode([t]).encode("utf-8") for t in tokens)
+    return TokenBytes(table, trims_first_space=False)
+
+
+def gather_logprobs(
+    rows: Sequence[mx.array], tokens: Sequence[int], top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each row's logprob of its token and its ``top`` best tokens, best first.
+
+    One evaluation for every row of a decode step.
+    """
+    logprobs = mx.stack(list(rows)).astype(mx.float32)
+    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    if top == 0:
+        return [(value, []) for value in chosen.tolist()]
+    best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+    values = mx.take_along_axis(logprobs, best, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    best = mx.take_along_axis(best, order, axis=-1)
+    values = mx.take_along_axis(values, order, axis=-1)
+    mx.eval(chosen, best, values)
+    return [
+        (value, list(zip(ids, alternatives)))
+        for value, ids, alternatives in zip(
+            chosen.tolist(), best.tolist(), values.tolist()
+        )
+    ]
+
+
+def _normalize(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def prefill_for_logprobs(
+    model: nn.Module, tokens: Sequence[int], cache: list, step_size: int
+) -> mx.array:
+    """Run ``tokens`` into ``cache``; the logprobs of the token after them.
+
+    Only the last token goes through the output layer.
+    """
+    head = mx.array(list(tokens[:-1]), dtype=mx.uint32)
+    for start in range(0, head.size, step_size):
+        model(head[start : start + step_size][None], cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(mx.array(list(tokens[-1:]), dtype=mx.uint32)[None], cache=cache)
+    return _normalize(logits[0, -1])
+
+
+def score_continuations(
+    model: nn.Module,
+    cache: list,
+    first: mx.array,
+    continuations: Sequence[Sequence[int]],
+) -> list[list[float]]:
+    """Each continuation's per-token logprobs after the prompt in ``cache``.
+
+    ``first`` holds the logprobs after the prompt. The continuations run as one
+    batch over copies of the prompt's cache, right-padded (causal attention keeps
+    the padding out of the real positions); ``cache`` itself is not changed.
+    """
+    count = len(continuations)
+    width = max(len(c) for c in continuations) - 1
+    heads = mx.array([c[0] for c in continuations])
+    values = first[heads][:, None]
+    if width > 0:
+        pad = [[0] * (width + 1 - len(c)) for c in continuations]
+        inputs = mx.array([list(c[:-1]) + p for c, p in zip(continuations, pad)])
+        targets = mx.array([list(c[1:]) + p for c, p in zip(continuations, pad)])
+        if all(hasattr(c, "merge") for c in cache):
+            batch = [type(c).merge([c] * count) for c in cache]
+            logits = model(inputs, cache=batch)
+        else:
+            logits = mx.concatenate(
+                [
+                    model(inputs[i : i + 1], cache=copy.deepcopy(cache))
+                    for i in range(count)
+                ]
+            )
+        rest = mx.take_along_axis(_normalize(logits), targets[..., None], axis=-1)
+        values = mx.concatenate([values, rest[..., 0]], axis=1)
+    values = values.tolist()
+    return [row[: len(c)] for row, c in zip(values, continuations)]
+
+
+def hidden_state_model(model: nn.Module) -> nn.Module | None:
+    """The model without its output layer: it maps tokens to final hidden states."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+class EmbeddingBatch:
+    """Pooled final hidden states of several token lists, one chunk per ``advance``.
+
+    The lists are right-padded into one batch that runs through a fresh KV cache,
+    ``step_size`` positions at a time, so it shares the engine loop with decoding.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Sequence[Sequence[int]],
+        pooling: str,
+        step_size: int,
+    ):
+        self._hidden = hidden_state_model(model)
+        width = max(len(t) for t in inputs)
+        self._tokens = mx.array([list(t) + [0] * (width - len(t)) for t in inputs])
+        self._lengths = mx.array([len(t) for t in inputs])
+        self._pooling = pooling
+        self._step = step_size
+        self._cache = make_prompt_cache(model)
+        self._done = 0
+        self._pooled = None
+
+    def advance(self) -> bool:
+        """Run the next chunk; True when every list is done."""
+        width = self._tokens.shape[1]
+        start, end = self._done, min(self._done + self._step, width)
+        hidden = self._hidden(self._tokens[:, start:end], cache=self._cache)
+        hidden = hidden.astype(mx.float32)
+        positions = mx.arange(start, end)[None]
+        if self._pooling == "mean":
+            mask = (positions < self._lengths[:, None])[..., None]
+            chunk = (hidden * mask).sum(axis=1)
+        else:
+            last = mx.clip(self._lengths - 1 - start, 0, end - start - 1)
+            chunk = mx.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+            inside = (self._lengths - 1 >= start) & (self._lengths - 1 < end)
+            chunk = mx.where(inside[:, None], chunk, 0.0)
+        self._pooled = chunk if self._pooled is None else self._pooled + chunk
+        mx.eval(self._pooled, [c.state for c in self._cache])
+        self._done = end
+        return end >= width
+
+    def vectors(self) -> list[list[float]]:
+        """The L2-normalized vectors, in input order."""
+        pooled = self._pooled
+        if self._pooling == "mean":
+            pooled = pooled / self._lengths[:, None].astype(mx.float32)
+        norms = mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+        return (pooled / norms).tolist()

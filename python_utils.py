@@ -65,6 +65,8 @@ class LoadOptions:
     dequantize_max_bytes: int | None = None
     # Testing aid: a request's Metadata["forced_tokens"] fixes what it generates.
     forced_tokens: bool = False
+    # Embedding: how the final hidden states are pooled ("mean" or "last").
+    embedding_pooling: str = "mean"
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -112,6 +114,8 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
                 values[key] = parse_bool(raw)
             elif "int" in str(kind):
                 values[key] = int(raw.strip())
+            elif "str" in str(kind):
+                values[key] = raw.strip().lower()
             else:
                 values[key] = float(raw.strip())
         except ValueError as e:
@@ -132,7 +136,27 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         value = getattr(parsed, name)
         if value is not None and value < 0:
             raise InvalidArgument(f"Options: {name} must not be negative")
+    if parsed.embedding_pooling not in EMBEDDING_POOLINGS:
+        raise InvalidArgument(
+            f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"
+        )
     return parsed
+
+
+EMBEDDING_POOLINGS = ("mean", "last")
+# OpenAI's limit on alternatives per token.
+MAX_TOP_LOGPROBS = 20
+
+
+def parse_logprobs(logprobs: int, top_logprobs: int) -> int | None:
+    """How many alternatives each token's logprob entry lists; None: no logprobs."""
+    if logprobs < 0:
+        raise InvalidArgument("Logprobs must not be negative")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"TopLogprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    if logprobs == 0 and top_logprobs == 0:
+        return None
+    return top_logprobs
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")

@@ -503,19 +503,6 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
         srv.stop()
 
 
-@pytest.mark.parametrize(
-    "rpc, request_type",
-    [
-        ("Embedding", pb.PredictOptions),
-        ("Score", pb.ScoreRequest),
-    ],
-)
-def test_unimplemented_rpcs(server, rpc, request_type):
-    error = error_of(getattr(server.stub, rpc), request_type())
-    assert error.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert rpc in error.details()
-
-
 def test_health_and_status_answer_during_generation(server):
     stream = server.stub.PredictStream(
         chat("Tell me a long story.", Tokens=200, IgnoreEOS=True)

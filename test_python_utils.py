@@ -19,6 +19,7 @@ from python_utils import (
     find_fast_blas,
     parse_duration,
     parse_logit_bias,
+    parse_logprobs,
     parse_options,
     parse_template_args,
     parse_tool_choice,
@@ -378,3 +379,26 @@ def test_service_declares_the_text_surface():
         "Score",
         "ModelMetadata",
     }
+
+
+@pytest.mark.parametrize(
+    "logprobs, top, expected",
+    [(0, 0, None), (1, 0, 0), (0, 3, 3), (5, 5, 5), (1, 20, 20)],
+)
+def test_parse_logprobs(logprobs, top, expected):
+    assert parse_logprobs(logprobs, top) == expected
+
+
+@pytest.mark.parametrize(
+    "logprobs, top, field", [(-1, 0, "Logprobs"), (1, 21, "TopLogprobs")]
+)
+def test_parse_logprobs_refuses_bad_counts(logprobs, top, field):
+    with pytest.raises(InvalidArgument, match=field):
+        parse_logprobs(logprobs, top)
+
+
+def test_parse_options_embedding_pooling():
+    assert parse_options([]).embedding_pooling == "mean"
+    assert parse_options(["embedding_pooling: Last"]).embedding_pooling == "last"
+    with pytest.raises(InvalidArgument, match="embedding_pooling"):
+        parse_options(["embedding_pooling:max"])
