@@ -58,7 +58,7 @@ run: install
 	./run.sh --addr $(ADDR) --model $(MODEL)
 
 test: install $(VENV)/.test-installed
-	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test_mlx_cache.py test.py test_chat_output.py test_logprobs_score_embedding.py
+	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test_mlx_cache.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py
 
 $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt

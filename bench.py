@@ -3,8 +3,8 @@
 
 1. Server overhead: gRPC PredictStream against mlx-lm's own stream_generate on
    the same compute path, greedy, with EOS banned so every run decodes the same
-   number of tokens; the same stream with logprobs (top 5 alternatives); plus
-   Health latency while a long generation streams.
+   number of tokens; the same stream with logprobs (top 5 alternatives) and under
+   a JSON-schema grammar; plus Health latency while a long generation streams.
 2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels), float32
    weights on OpenBLAS, and the fast path that ``auto`` picks (MKL on x86_64):
    prefill on a 1000-token prompt, decode, and peak memory.
@@ -55,6 +55,14 @@ LONG_TEXT = (
 )
 PREFILL_TOKENS = 1000
 TOP_LOGPROBS = 5
+# A JSON schema whose string can't close within the decode: every token is constrained.
+STORY_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 4000}},
+        "required": ["story"],
+    }
+)
 
 
 @contextmanager
@@ -185,7 +193,7 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
     eos = next(iter(tokenizer.eos_token_ids))
     server_decode(stub, 16, eos)  # warm both sides once
     library_decode(model, tokenizer, 16, eos)
-    runs = {"grpc": [], "mlx_lm": [], "logprobs": []}
+    runs = {"grpc": [], "mlx_lm": [], "logprobs": [], "grammar": []}
     for i in range(rounds):
         logger.info("overhead round %d/%d", i + 1, rounds)
         runs["grpc"].append(server_decode(stub, tokens, eos))
@@ -195,9 +203,11 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
                 stub, tokens, eos, Logprobs=TOP_LOGPROBS, TopLogprobs=TOP_LOGPROBS
             )
         )
+        runs["grammar"].append(server_decode(stub, tokens, eos, Grammar=STORY_SCHEMA))
     health = health_latency(stub, tokens)
-    grpc_tps, lib_tps, logprobs_tps = (
-        median_of(runs[k], "decode_tps") for k in ("grpc", "mlx_lm", "logprobs")
+    grpc_tps, lib_tps, logprobs_tps, grammar_tps = (
+        median_of(runs[k], "decode_tps")
+        for k in ("grpc", "mlx_lm", "logprobs", "grammar")
     )
     ratio = grpc_tps / lib_tps
     lines = [
@@ -210,8 +220,11 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
         f"{median_of(runs['grpc'], 'ttft_s'):>10.3f}",
         f"{f'  + logprobs, top {TOP_LOGPROBS}':<28}{logprobs_tps:>14.2f}"
         f"{median_of(runs['logprobs'], 'ttft_s'):>10.3f}",
+        f"{'  + JSON-schema grammar':<28}{grammar_tps:>14.2f}"
+        f"{median_of(runs['grammar'], 'ttft_s'):>10.3f}",
         f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)",
         f"logprobs / plain gRPC decode ratio: {logprobs_tps / grpc_tps:.3f}",
+        f"grammar / plain gRPC decode ratio: {grammar_tps / grpc_tps:.3f}",
         f"Health during generation: p50 {health['p50_ms']:.2f} ms, "
         f"p95 {health['p95_ms']:.2f} ms, max {health['max_ms']:.2f} ms "
         f"over {health['samples']} calls",
@@ -220,6 +233,7 @@ def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
         "runs": runs,
         "grpc_over_mlx_lm": ratio,
         "logprobs_over_plain": logprobs_tps / grpc_tps,
+        "grammar_over_plain": grammar_tps / grpc_tps,
         "health": health,
     }
     return report, lines

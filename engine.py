@@ -338,6 +338,9 @@ class _Sequence:
             return True
         if token in self.eos:
             return self.finish("stop")
+        if self.grammar is not None and self.grammar.ends_before(self.generated):
+            # The grammar is complete; its end-of-sequence ends even an IgnoreEOS reply.
+            return self.finish("stop")
         self.generated += 1
         if scored is not None:
             self.logprobs.append(self._logprob_entry(token, *scored))
@@ -886,6 +889,7 @@ class Engine:
         memory = memory_snapshot()
         if self.info is not None:
             memory.update(self.info.compute_path.breakdown())
+            memory.update(grammars_compiled=self.info.grammars.compilations)
         memory.update(
             prompt_cache_entries=len(self._prompt_cache),
             prompt_cache_bytes=self._prompt_cache.nbytes,
@@ -925,6 +929,7 @@ class Engine:
             logger.info("compute path: %s", compute_path.description)
             config_limit = loaded.config.get("max_position_embeddings") or 4096
             vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
+            token_bytes = make_token_bytes(loaded.tokenizer)
             info = ModelInfo(
                 name=name,
                 source=loaded.source,
@@ -935,9 +940,9 @@ class Engine:
                 generation=self._generation + 1,
                 compute_path=compute_path,
                 markers=make_output_markers(loaded.tokenizer),
-                token_bytes=make_token_bytes(loaded.tokenizer),
+                token_bytes=token_bytes,
                 embeddings=hidden_state_model(loaded.model) is not None,
-                grammars=GrammarCompiler(loaded.tokenizer, vocab_size),
+                grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
             )
             why = unbatchable_reason(loaded.model, options.max_kv_size)
             if why:

@@ -12,12 +12,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.hf
 import llguidance.mlx
 import llguidance.numpy
 import mlx.core as mx
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_utils import TokenBytes
 from python_utils import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -54,18 +55,46 @@ class CompiledGrammar:
     matcher: llguidance.LLMatcher = field(repr=False)
 
 
+class _TokenizerView:
+    """What llguidance reads of a tokenizer: each token's bytes and the special ids.
+
+    Only tokens the tokenizer marks special are special to the grammar, so markers
+    such as Qwen's non-special ``<tool_call>`` match the grammar's text.
+    """
+
+    def __init__(self, tokenizer: TokenizerWrapper, token_bytes: TokenBytes):
+        hf = tokenizer._tokenizer
+        self.tokens = list(token_bytes.table)
+        self.special_token_ids = sorted(
+            i for i, token in hf.added_tokens_decoder.items() if token.special
+        )
+        self.eos_token_id = min(tokenizer.eos_token_ids)
+        self.bos_token_id = hf.bos_token_id
+        self._hf = hf
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._hf.encode(
+            text.decode("utf-8", errors="replace"), add_special_tokens=False
+        )
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and keeps the latest by their text.
 
     Thread-safe: handlers compile while they parse a request, off the event loop.
     """
 
-    def __init__(self, tokenizer: TokenizerWrapper, vocab_size: int):
+    def __init__(
+        self, tokenizer: TokenizerWrapper, token_bytes: TokenBytes, vocab_size: int
+    ):
         self._tokenizer = tokenizer
+        self._token_bytes = token_bytes
         self._vocab_size = vocab_size
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        # Grammars compiled so far (cache misses).
+        self.compilations = 0
 
     def compile(self, text: str) -> CompiledGrammar:
         with self._lock:
@@ -73,9 +102,10 @@ class GrammarCompiler:
                 self._compiled.move_to_end(text)
                 return self._compiled[text]
             if self._ll_tokenizer is None:
-                # About half a second for a 50k vocabulary: built on first use.
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._tokenizer._tokenizer,
+                # Built on first use: most models never see a grammar.
+                view = _TokenizerView(self._tokenizer, self._token_bytes)
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(view),
                     n_vocab=self._vocab_size,
                     eos_token=sorted(self._tokenizer.eos_token_ids),
                 )
@@ -89,6 +119,8 @@ class GrammarCompiler:
             if matcher.is_error():
                 raise InvalidArgument(f"Grammar: {matcher.get_error()}")
             compiled = CompiledGrammar(text, matcher)
+            self.compilations += 1
+            logger.debug("compiled a grammar of %d characters", len(text))
             self._compiled[text] = compiled
             while len(self._compiled) > GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -96,11 +128,19 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's matcher; ``error`` says why the output can't go on."""
+    """One request's matcher, for the engine to read as tokens are emitted."""
 
     def __init__(self, grammar: CompiledGrammar):
         self.matcher = grammar.matcher.deep_copy()
+        # Generated tokens the matcher has taken.
+        self.consumed = 0
+        # Whether they complete the grammar, and why the output can't go on.
+        self.complete = False
         self.error: str | None = None
+
+    def ends_before(self, generated: int) -> bool:
+        """Whether the token after ``generated`` ones lies past a complete grammar."""
+        return self.complete and generated >= self.consumed
 
 
 def make_grammar_processor(grammar: CompiledGrammar, eos: int, vocab_size: int):
@@ -119,27 +159,37 @@ def make_grammar_processor(grammar: CompiledGrammar, eos: int, vocab_size: int):
     metal = mx.metal.is_available()
     bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
     bits = mx.arange(32, dtype=mx.int32)
+    eos_word, eos_bit = divmod(eos, 32)
     only_eos = None
     started = False
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
         nonlocal started, only_eos
         mx.async_eval(logits)
-        if started and state.error is None:
+        if started and state.error is None and not state.complete:
             token = tokens[-1].item()
             if not matcher.consume_token(token):
                 state.error = f"token {token} breaks the grammar: {matcher.get_error()}"
+            state.consumed += 1
+            state.complete = matcher.is_stopped()
         started = True
-        if state.error is None and not matcher.is_stopped():
+        if state.error is None and not state.complete:
             llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
-            if bitmask.any():
+            words = bitmask[0].view(np.uint32)
+            eos_word_value = words[eos_word]
+            words[eos_word] &= ~np.uint32(1 << eos_bit)
+            if words.any():
+                words[eos_word] = eos_word_value
                 if metal:
                     return llguidance.mlx.apply_token_bitmask(logits, bitmask)
-                words = mx.array(bitmask[0])
-                allowed = ((words[:, None] >> bits) & 1).reshape(-1)
+                allowed = ((mx.array(bitmask[0])[:, None] >> bits) & 1).reshape(-1)
                 allowed = allowed[: logits.shape[-1]].astype(mx.bool_)
                 return mx.where(allowed, logits, -mx.inf)
-            state.error = "no token can continue the output (a dead end)"
+            # Nothing but end-of-sequence may follow: the output is complete.
+            if eos_word_value >> eos_bit & 1:
+                state.complete = True
+            else:
+                state.error = "no token can continue the output (a dead end)"
         if only_eos is None:
             only_eos = mx.arange(logits.shape[-1]) == eos
         return mx.where(only_eos, mx.zeros_like(logits), -mx.inf)

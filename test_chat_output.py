@@ -575,3 +575,28 @@ def test_forced_tokens_need_the_load_option(server, folders, tokenizer):
     error = error_of(server.stub.Predict, bad)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Metadata.forced_tokens" in error.details()
+
+
+# A grammar that makes the model call the tool, as LocalAI's strict mode does.
+TOOL_CALL_GBNF = r"""
+root ::= "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"" city "\"}}\n</tool_call>"
+city ::= "Paris" | "Lyon"
+"""
+
+
+def test_a_grammar_forced_tool_call_is_classified(server, folders):
+    load(server, folders, "json")
+    request = pb.PredictOptions(
+        UseTokenizerTemplate=True,
+        Messages=[pb.Message(role="user", content="Weather in Paris or Lyon?")],
+        Tools=json.dumps([WEATHER_TOOL]),
+        Grammar=TOOL_CALL_GBNF,
+    )
+    reply = server.stub.Predict(request)
+    content, reasoning, calls = summary(reply.chat_deltas)
+    assert (content, reasoning, reply.message) == ("", "", b"")
+    ((index, name, arguments),) = calls
+    assert (index, name) == (0, "get_weather")
+    assert arguments in ({"city": "Paris"}, {"city": "Lyon"})
+    streamed = list(server.stub.PredictStream(request))
+    assert summary([d for r in streamed for d in r.chat_deltas])[2] == calls
