@@ -18,7 +18,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -232,7 +232,7 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
     )
 
 
-def _check_tokens(field: str, tokens, info: ModelInfo) -> None:
+def _check_tokens(field: str, tokens: Iterable[int], info: ModelInfo) -> None:
     for i, token in enumerate(tokens):
         if not 0 <= token < info.vocab_size:
             raise InvalidArgument(
@@ -260,7 +260,9 @@ def parse_embedding(request, info: ModelInfo) -> EmbeddingRequest:
         _check_tokens("EmbeddingTokens", tokens, info)
         field = "EmbeddingTokens"
     else:
-        tokens = encode_prompt(info.tokenizer, request.Embeddings)
+        # Checked before encoding: a tokenizer that adds BOS never gives nothing.
+        text = request.Embeddings
+        tokens = encode_prompt(info.tokenizer, text) if text else []
         field = "Embeddings"
     if not tokens:
         raise InvalidArgument(
@@ -277,9 +279,9 @@ def parse_score(request, info: ModelInfo) -> ScoreRequest:
     for i, candidate in enumerate(request.candidates):
         if not candidate:
             raise InvalidArgument(f"candidates[{i}]: the candidate is empty")
-    prompt = encode_prompt(info.tokenizer, request.prompt)
-    if not prompt:
+    if not request.prompt:
         raise InvalidArgument("prompt: the prompt is empty")
+    prompt = encode_prompt(info.tokenizer, request.prompt)
     candidates = []
     for i, candidate in enumerate(request.candidates):
         tokens = info.tokenizer.encode(candidate, add_special_tokens=False)
@@ -307,7 +309,7 @@ def _logprob_json(token: bytes, logprob: float) -> dict:
     }
 
 
-def logprobs_json(entries: list[TokenLogprob]) -> bytes:
+def logprobs_json(entries: Sequence[TokenLogprob]) -> bytes:
     """``Reply.logprobs``: OpenAI's chat logprobs object, one entry per token."""
     if not entries:
         return b""
@@ -322,7 +324,10 @@ def logprobs_json(entries: list[TokenLogprob]) -> bytes:
 
 
 def _reply(
-    delta: Delta, logprobs=(), whole: bool = False, **fields
+    delta: Delta,
+    logprobs: Sequence[TokenLogprob] = (),
+    whole: bool = False,
+    **fields,
 ) -> backend_pb2.Reply:
     """A Reply whose ``message`` is the visible content and whose delta is all of it.
 
@@ -347,7 +352,7 @@ def _reply(
 
 
 def _final_reply(
-    final: Finished, delta: Delta, logprobs, whole: bool
+    final: Finished, delta: Delta, logprobs: Sequence[TokenLogprob], whole: bool
 ) -> backend_pb2.Reply:
     return _reply(
         delta,
@@ -465,7 +470,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def Embedding(self, request, context):
         info = self._model(request.ModelIdentity)
         parsed = await asyncio.to_thread(parse_embedding, request, info)
-        vector = await asyncio.wrap_future(self.engine.embed(parsed))
+        vector = await asyncio.wrap_future(self.engine.compute(parsed))
         return backend_pb2.EmbeddingResult(
             embeddings=vector,
             tokens=1,
@@ -478,7 +483,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def Score(self, request, context):
         info = self._model(request.ModelIdentity)
         parsed = await asyncio.to_thread(parse_score, request, info)
-        scores = await asyncio.wrap_future(self.engine.score(parsed))
+        scores = await asyncio.wrap_future(self.engine.compute(parsed))
         results = []
         for tokens, logprobs in zip(parsed.candidates, scores):
             total = sum(logprobs)

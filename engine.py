@@ -8,7 +8,6 @@ sequence) -> emit (events to the handlers' queues).
 """
 
 import asyncio
-import concurrent.futures
 import copy
 import dataclasses
 import gc
@@ -18,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -43,6 +43,7 @@ from mlx_utils import (
     ComputePath,
     EmbeddingBatch,
     LoadedModel,
+    ScoreBatch,
     TokenBytes,
     gather_logprobs,
     hidden_state_model,
@@ -54,10 +55,8 @@ from mlx_utils import (
     make_token_bytes,
     memory_snapshot,
     physical_memory,
-    prefill_for_logprobs,
     prepare_for_cpu,
     release_memory,
-    score_continuations,
     see_cached_prompt,
     unbatchable_reason,
 )
@@ -243,6 +242,15 @@ class RequestStream:
                 return
 
 
+@dataclass
+class _Job:
+    """Embedding or Score work: ``work.advance()`` runs a chunk, True when done."""
+
+    work: object
+    futures: list[Future]
+    finish: Callable | None
+
+
 class _Cancelled(Exception):
     """Raised from the prefill progress callback to stop a cancelled prompt."""
 
@@ -411,8 +419,11 @@ class _Sequence:
         return self.kv_cache, self.fed
 
 
-def make_request_processors(request: GenerationRequest, tokenizer) -> list:
-    """The request's logits processors: bias (and banned EOS), penalties, forcing."""
+def make_request_processors(
+    request: GenerationRequest, tokenizer, vocab_size: int
+) -> tuple[list, GrammarState | None]:
+    """The request's logits processors: bias (and banned EOS), penalties, the
+    grammar, forcing; and the grammar's state."""
     sampling = request.sampling
     logit_bias = sampling.logit_bias
     if request.ignore_eos:
@@ -425,10 +436,18 @@ def make_request_processors(request: GenerationRequest, tokenizer) -> list:
         sampling.presence_penalty,
         sampling.repetition_context_size,
     )
+    grammar = None
+    if request.grammar is not None:
+        # After the ban, so a finished grammar's end-of-sequence overrides it.
+        grammar, processor = make_grammar_processor(
+            request.grammar, tokenizer.eos_token_ids, vocab_size
+        )
+        processors.append(processor)
     if request.forced_tokens is not None:
+        # Last: a forced token is generated even where the grammar forbids it.
         eos = min(tokenizer.eos_token_ids)
         processors.append(make_forcing_processor(request.forced_tokens, eos))
-    return processors
+    return processors, grammar
 
 
 class Engine:
@@ -441,9 +460,10 @@ class Engine:
         # Batched sequences by BatchGenerator uid; None when the model can't batch.
         self._batch: BatchGenerator | None = None
         self._batched: dict[int, _Sequence] = {}
-        # Embedding requests waiting, and the batch of them that is running.
-        self._embeddings: list[tuple[EmbeddingRequest, concurrent.futures.Future]] = []
-        self._embedding: tuple[EmbeddingBatch, list] | None = None
+        self._stream: mx.Stream | None = None
+        # Embedding and Score requests waiting, and the job running one chunk per step.
+        self._side: list[tuple[EmbeddingRequest | ScoreRequest, Future]] = []
+        self._job: _Job | None = None
         self._loaded: LoadedModel | None = None
         self._generation = 0
         self._steps = 0
@@ -472,21 +492,18 @@ class Engine:
         self._inbox.put((request, stream))
         return stream
 
-    def embed(self, request: EmbeddingRequest) -> concurrent.futures.Future:
-        """The request's vector, computed between decode steps."""
+    def compute(self, request: EmbeddingRequest | ScoreRequest) -> Future:
+        """An embedding vector, or a Score request's per-token logprobs for each
+        candidate, computed a chunk at a time between decode steps."""
         self._check_open()
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: Future = Future()
         self._inbox.put((request, future))
         return future
 
-    def score(self, request: ScoreRequest) -> concurrent.futures.Future:
-        """Each candidate's per-token logprobs after the prompt."""
-        return self.call(self._score, request)
-
-    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+    def call(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the engine thread between steps."""
         self._check_open()
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: Future = Future()
         self._inbox.put((fn, args, future))
         return future
 
@@ -540,11 +557,11 @@ class Engine:
                 continue
             if isinstance(item[0], GenerationRequest):
                 item[1].put(Aborted("the backend is shutting down"))
-            else:
+            elif item[-1].set_running_or_notify_cancel():
                 item[-1].set_exception(Aborted("the backend is shutting down"))
 
     def _busy(self) -> bool:
-        return bool(self._active or self._embeddings or self._embedding)
+        return bool(self._active or self._side or self._job)
 
     def _schedule(self) -> bool:
         """Admit new work; block while idle. False when asked to stop."""
@@ -560,8 +577,8 @@ class Engine:
                 return False
             if isinstance(item[0], GenerationRequest):
                 self._admit(*item)
-            elif isinstance(item[0], EmbeddingRequest):
-                self._queue_embedding(*item)
+            elif isinstance(item[0], (EmbeddingRequest, ScoreRequest)):
+                self._queue_side(*item)
             else:
                 self._run_call(*item)
             self._publish()
@@ -628,13 +645,9 @@ class Engine:
             sampling.top_k,
             sampling.seed,
         )
-        processors = make_request_processors(request, tokenizer)
-        if request.grammar is not None:
-            # Last, so a finished grammar's end-of-sequence overrides any ban on it.
-            seq.grammar, processor = make_grammar_processor(
-                request.grammar, min(tokenizer.eos_token_ids), self.info.vocab_size
-            )
-            processors.append(processor)
+        processors, seq.grammar = make_request_processors(
+            request, tokenizer, self.info.vocab_size
+        )
         if self._batch is None:
             seq.start_single(
                 self._loaded.model,
@@ -680,8 +693,8 @@ class Engine:
                 self._retire(seq)
         if self._batched:
             self._step_batch()
-        if self._embeddings or self._embedding:
-            self._step_embeddings()
+        if self._side or self._job:
+            self._step_side()
         for seq in [s for s in self._active if s.uid is None]:
             try:
                 done = seq.advance()
@@ -751,7 +764,7 @@ class Engine:
 
     # -- embeddings and scores ----------------------------------------------
 
-    def _queue_embedding(self, request: EmbeddingRequest, future) -> None:
+    def _queue_side(self, request: EmbeddingRequest | ScoreRequest, future) -> None:
         if not future.set_running_or_notify_cancel():
             return
         if self._loaded is None:
@@ -763,63 +776,69 @@ class Engine:
                 Aborted("the model was replaced while the request was queued")
             )
         else:
-            self._embeddings.append((request, future))
+            self._side.append((request, future))
 
-    def _step_embeddings(self) -> None:
-        """One chunk of the running embedding batch; a new batch from the queue."""
+    def _step_side(self) -> None:
+        """One chunk of the running embedding or score job; else the next job."""
         try:
-            if self._embedding is None:
-                size = self.info.options.max_batch_size
-                waiting, self._embeddings = (
-                    self._embeddings[:size],
-                    self._embeddings[size:],
-                )
-                futures = [future for _, future in waiting]
-                self._embedding = (None, futures)  # failed, if the next line fails
-                batch = EmbeddingBatch(
-                    self._loaded.model,
-                    [request.tokens for request, _ in waiting],
-                    self.info.options.embedding_pooling,
-                    self.info.options.prefill_step_size,
-                )
-                self._embedding = (batch, futures)
-            batch, futures = self._embedding
-            if not batch.advance():
-                return
-            self._embedding = None
-            for future, vector in zip(futures, batch.vectors()):
-                future.set_result(vector)
+            if self._job is None:
+                self._job = self._next_job()
+            if self._job.work.advance():
+                job, self._job = self._job, None
+                self._publish()  # before the caller can ask Status
+                job.finish(job.work)
         except Exception as e:
-            logger.exception("embedding failed")
-            _, futures = self._embedding or (None, [])
-            self._embedding = None
+            logger.exception("embedding or scoring failed")
+            error = e.with_traceback(None)
+            futures = self._job.futures if self._job else []
+            self._job = None
             for future in futures:
-                if not future.done():
-                    future.set_exception(copy.copy(e.with_traceback(None)))
+                future.set_exception(copy.copy(error))
 
-    def _score(self, request: ScoreRequest) -> list[list[float]]:
-        if self._loaded is None:
-            raise FailedPrecondition("no model is loaded: call LoadModel first")
-        if request.model_generation != self._generation:
-            raise Aborted("the model was replaced while the request was queued")
-        model, options = self._loaded.model, self.info.options
-        kv_cache, rest = self._fetch_cache(request.prompt)
-        reused = len(request.prompt) - len(rest)
-        self._reused_tokens += reused
-        self._prefilled_tokens += len(rest)
-        first = prefill_for_logprobs(model, rest, kv_cache, options.prefill_step_size)
-        # Candidates go in batches of about one prefill chunk of tokens.
-        budget = max(options.prefill_step_size, 1)
-        scores, group = [], []
-        for candidate in request.candidates:
-            group.append(candidate)
-            if len(group) * max(map(len, group)) >= budget:
-                scores += score_continuations(model, kv_cache, first, group)
-                group = []
-        if group:
-            scores += score_continuations(model, kv_cache, first, group)
-        self._save_cache(request, kv_cache, request.prompt)
-        return scores
+    def _next_job(self) -> "_Job":
+        options = self.info.options
+        request, future = self._side[0]
+        if isinstance(request, ScoreRequest):
+            del self._side[0]
+            kv_cache, rest = self._fetch_cache(request.prompt)
+            reused = len(request.prompt) - len(rest)
+            self._reused_tokens += reused
+            self._prefilled_tokens += len(rest)
+            # Held first, so a failure below fails this future.
+            self._job = _Job(None, [future], None)
+
+            def finish(work: ScoreBatch) -> None:
+                self._save_cache(request, kv_cache, request.prompt)
+                future.set_result(work.scores)
+
+            work = ScoreBatch(
+                self._loaded.model,
+                kv_cache,
+                rest,
+                request.candidates,
+                options.prefill_step_size,
+                options.max_batch_size,
+            )
+            return _Job(work, [future], finish)
+        # Every waiting embedding request, up to a batch, runs as one job.
+        embeddings = [
+            item for item in self._side if isinstance(item[0], EmbeddingRequest)
+        ][: options.max_batch_size]
+        self._side = [item for item in self._side if item not in embeddings]
+        futures = [future for _, future in embeddings]
+        self._job = _Job(None, futures, None)  # as above
+
+        def finish(work: EmbeddingBatch) -> None:
+            for future, vector in zip(futures, work.vectors()):
+                future.set_result(vector)
+
+        work = EmbeddingBatch(
+            self._loaded.model,
+            [request.tokens for request, _ in embeddings],
+            options.embedding_pooling,
+            options.prefill_step_size,
+        )
+        return _Job(work, futures, finish)
 
     def _retire(
         self,
@@ -844,7 +863,9 @@ class Engine:
         if not self._active:
             self._publish()
 
-    def _save_cache(self, request, kv_cache: list, tokens) -> None:
+    def _save_cache(
+        self, request: GenerationRequest | ScoreRequest, kv_cache: list, tokens
+    ) -> None:
         """Keep a KV cache for the next request to reuse."""
         # Cancelled prefill keeps whole chunks, so the offset can fall short.
         length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
@@ -861,10 +882,10 @@ class Engine:
             if seq.uid is None:
                 seq.tokens.close()
         self._active.clear()
-        _, running = self._embedding or (None, [])
-        for future in running + [future for _, future in self._embeddings]:
+        running = self._job.futures if self._job else []
+        for future in running + [future for _, future in self._side]:
             future.set_exception(Aborted(reason))
-        self._embedding, self._embeddings = None, []
+        self._job, self._side = None, []
         # Tell the handlers now: an unload may be followed by a long load.
         self._outbox.flush()
         self._reset_batch(rebuild)
@@ -970,15 +991,18 @@ class Engine:
         gc.freeze()
         return info
 
-    @staticmethod
-    def _make_batch(model, options: LoadOptions) -> BatchGenerator:
+    def _make_batch(self, model, options: LoadOptions) -> BatchGenerator:
+        if self._stream is None:
+            # Its own stream: small evaluations on the thread's default stream,
+            # such as logprobs, need not wait behind the next step.
+            self._stream = mx.new_stream(mx.default_device())
         return BatchGenerator(
             model,
             completion_batch_size=options.max_batch_size,
             # BatchGenerator raises its decode limit to the prefill batch size.
             prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
             prefill_step_size=options.prefill_step_size,
-            stream=mx.new_stream(mx.default_device()),
+            stream=self._stream,
         )
 
     def _free(self) -> None:

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import llguidance
@@ -143,12 +144,14 @@ class GrammarState:
         return self.complete and generated >= self.consumed
 
 
-def make_grammar_processor(grammar: CompiledGrammar, eos: int, vocab_size: int):
+def make_grammar_processor(
+    grammar: CompiledGrammar, eos_tokens: Iterable[int], vocab_size: int
+) -> tuple[GrammarState, Callable[[mx.array, mx.array], mx.array]]:
     """A logits processor that allows only what ``grammar`` allows next.
 
     The matcher takes each sampled token at the next call. The model's forward
     pass is started before the mask is computed, so the two overlap. A finished
-    grammar, or a dead end, leaves only ``eos``: the sequence always ends.
+    grammar, or a dead end, leaves only end-of-sequence: the sequence always ends.
 
     Returns:
         ``(state, processor)``: the engine reads ``state.error`` for each token.
@@ -158,8 +161,11 @@ def make_grammar_processor(grammar: CompiledGrammar, eos: int, vocab_size: int):
     # llguidance's Metal kernel where there is Metal; MLX ops elsewhere.
     metal = mx.metal.is_available()
     bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
-    bits = mx.arange(32, dtype=mx.int32)
-    eos_word, eos_bit = divmod(eos, 32)
+    # The bitmask words without the end-of-sequence bits, to tell "only EOS" apart.
+    not_eos = np.full(bitmask.shape[1], 0xFFFFFFFF, dtype=np.uint32)
+    for token in eos_tokens:
+        not_eos[token // 32] &= ~np.uint32(1 << token % 32)
+    eos = min(eos_tokens)
     only_eos = None
     started = False
 
@@ -176,17 +182,14 @@ def make_grammar_processor(grammar: CompiledGrammar, eos: int, vocab_size: int):
         if state.error is None and not state.complete:
             llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
             words = bitmask[0].view(np.uint32)
-            eos_word_value = words[eos_word]
-            words[eos_word] &= ~np.uint32(1 << eos_bit)
-            if words.any():
-                words[eos_word] = eos_word_value
+            if (words & not_eos).any():
                 if metal:
                     return llguidance.mlx.apply_token_bitmask(logits, bitmask)
-                allowed = ((mx.array(bitmask[0])[:, None] >> bits) & 1).reshape(-1)
-                allowed = allowed[: logits.shape[-1]].astype(mx.bool_)
-                return mx.where(allowed, logits, -mx.inf)
+                return mx.where(
+                    _unpack(mx.array(bitmask[0]), logits.shape[-1]), logits, -mx.inf
+                )
             # Nothing but end-of-sequence may follow: the output is complete.
-            if eos_word_value >> eos_bit & 1:
+            if words.any():
                 state.complete = True
             else:
                 state.error = "no token can continue the output (a dead end)"
@@ -195,3 +198,11 @@ def make_grammar_processor(grammar: CompiledGrammar, eos: int, vocab_size: int):
         return mx.where(only_eos, mx.zeros_like(logits), -mx.inf)
 
     return state, process
+
+
+def _unpack(words: mx.array, width: int) -> mx.array:
+    """A bitmask's words as ``width`` booleans; tokens past the mask are forbidden."""
+    allowed = ((words[:, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(-1)
+    if allowed.size < width:
+        allowed = mx.concatenate([allowed, mx.zeros(width - allowed.size, mx.int32)])
+    return allowed[:width].astype(mx.bool_)

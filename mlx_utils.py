@@ -442,19 +442,62 @@ def _normalize(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def prefill_for_logprobs(
-    model: nn.Module, tokens: Sequence[int], cache: list, step_size: int
-) -> mx.array:
-    """Run ``tokens`` into ``cache``; the logprobs of the token after them.
+# Copies of a prompt's KV cache that one Score batch may hold.
+SCORE_COPY_BYTES = 1 << 30
 
-    Only the last token goes through the output layer.
+
+class ScoreBatch:
+    """Candidates' per-token logprobs after a prompt, a chunk per ``advance``.
+
+    First the prompt tokens missing from ``cache`` run, one prefill chunk at a
+    time (only the last one through the output layer); then the candidates run in
+    groups of at most ``max_rows``, over copies of the prompt's cache.
     """
-    head = mx.array(list(tokens[:-1]), dtype=mx.uint32)
-    for start in range(0, head.size, step_size):
-        model(head[start : start + step_size][None], cache=cache)
-        mx.eval([c.state for c in cache])
-    logits = model(mx.array(list(tokens[-1:]), dtype=mx.uint32)[None], cache=cache)
-    return _normalize(logits[0, -1])
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: list,
+        rest: Sequence[int],
+        candidates: Sequence[Sequence[int]],
+        step_size: int,
+        max_rows: int,
+    ):
+        self._model = model
+        self._cache = cache
+        self._rest = list(rest)
+        self._candidates = list(candidates)
+        self._step = step_size
+        self._max_rows = max_rows
+        self._first: mx.array | None = None
+        self.scores: list[list[float]] = []
+
+    def advance(self) -> bool:
+        """Run the next chunk; True when every candidate is scored."""
+        if self._first is None:
+            chunk = self._rest[: min(self._step, len(self._rest) - 1) or 1]
+            self._rest = self._rest[len(chunk) :]
+            logits = self._model(mx.array(chunk)[None], cache=self._cache)
+            if self._rest:
+                mx.eval([c.state for c in self._cache])
+                return False
+            self._first = _normalize(logits[0, -1])
+            mx.eval(self._first)
+            return False
+        group = self._next_group()
+        self.scores += score_continuations(self._model, self._cache, self._first, group)
+        return len(self.scores) == len(self._candidates)
+
+    def _next_group(self) -> list[Sequence[int]]:
+        copy_bytes = max(sum(c.nbytes for c in self._cache), 1)
+        rows = max(1, min(self._max_rows, SCORE_COPY_BYTES // copy_bytes))
+        group = [self._candidates[len(self.scores)]]
+        for candidate in self._candidates[len(self.scores) + 1 :]:
+            longest = max(len(candidate), *map(len, group))
+            if len(group) == rows or (len(group) + 1) * longest > self._step:
+                break
+            group.append(candidate)
+        return group
 
 
 def score_continuations(
@@ -518,10 +561,11 @@ class EmbeddingBatch:
         self._tokens = mx.array([list(t) + [0] * (width - len(t)) for t in inputs])
         self._lengths = mx.array([len(t) for t in inputs])
         self._pooling = pooling
-        self._step = step_size
+        # About one prefill chunk of tokens per advance, whatever the batch size.
+        self._step = max(16, step_size // len(inputs))
         self._cache = make_prompt_cache(model)
         self._done = 0
-        self._pooled = None
+        self._pooled: mx.array | None = None
 
     def advance(self) -> bool:
         """Run the next chunk; True when every list is done."""
@@ -531,8 +575,8 @@ class EmbeddingBatch:
         hidden = hidden.astype(mx.float32)
         positions = mx.arange(start, end)[None]
         if self._pooling == "mean":
-            mask = (positions < self._lengths[:, None])[..., None]
-            chunk = (hidden * mask).sum(axis=1)
+            inside = (positions < self._lengths[:, None])[..., None]
+            chunk = mx.where(inside, hidden, 0.0).sum(axis=1)
         else:
             last = mx.clip(self._lengths - 1 - start, 0, end - start - 1)
             chunk = mx.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]

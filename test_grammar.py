@@ -137,13 +137,14 @@ def test_grammars_are_compiled_once_per_text(server):
 
 
 def test_a_dead_end_ends_the_request_with_an_error(server):
-    # The forced tokens leave the grammar at once: no token can follow.
+    # The forced tokens (a testing aid that overrides the mask) break the grammar.
     tokens = server.stub.TokenizeString(pb.PredictOptions(Prompt="maybe")).tokens
     request = chat(Grammar=YES_NO, Metadata={"forced_tokens": json.dumps(list(tokens))})
     for call in (server.stub.Predict, server.stub.PredictStream):
         error = error_of(call, request)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "Grammar: generation stopped" in error.details()
+        assert "Grammar: generation stopped after 0 tokens" in error.details()
+        assert "breaks the grammar" in error.details()
     assert server.stub.Predict(chat()).message.decode() == ANSWER
 
 

@@ -245,6 +245,28 @@ def test_score_batches_candidates_of_different_lengths_exactly(server):
         assert scored.log_prob == pytest.approx(alone.log_prob, abs=1e-3)
 
 
+def test_long_scores_run_between_decode_steps(server):
+    # A prompt of several prefill chunks, and candidates too long for one group.
+    prompt = "The old lighthouse keeper wrote in his log every night. " * 50
+    candidates = [
+        f" Night {i}: the sea was calm and the lamp burned bright." * 6
+        for i in range(5)
+    ]
+    request = pb.ScoreRequest(prompt=prompt, candidates=candidates)
+    stream = server.stub.PredictStream(chat())
+    score = server.stub.Score(request)
+    assert "".join(r.message.decode() for r in stream) == ANSWER
+    # A reload empties the prompt cache, so the prompt is prefilled afresh.
+    server.stub.LoadModel(pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"]))
+    alone = [
+        server.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=[c])).candidates[0]
+        for c in candidates
+    ]
+    assert [c.num_tokens for c in score.candidates] == [c.num_tokens for c in alone]
+    for together, solo in zip(score.candidates, alone):
+        assert together.log_prob == pytest.approx(solo.log_prob, abs=1e-2)
+
+
 @pytest.mark.parametrize(
     "request_fields, code, needle",
     [
