@@ -54,6 +54,7 @@ from mlx_utils import (
     make_seeded_sampler,
     make_token_bytes,
     memory_snapshot,
+    pace_step,
     physical_memory,
     prepare_for_cpu,
     release_memory,
@@ -658,6 +659,8 @@ class Engine:
                 self.info.options.prefill_step_size,
             )
             return seq
+        if mx.default_device() == mx.cpu:
+            processors.insert(0, pace_step)
         # EOS, stop strings and the token limit are checked by _Sequence.emit.
         (seq.uid,) = self._batch.insert(
             [list(rest)],

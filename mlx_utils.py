@@ -313,6 +313,18 @@ def make_forcing_processor(tokens: Sequence[int], eos: int):
     return force
 
 
+def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
+    """A logits processor that starts the step's forward pass, then waits for the
+    previous token, before the rest of the step's graph is built.
+
+    On a CPU the Python thread then no longer builds graphs while every core runs
+    the matmuls: decoding one stream is about 15% faster on 2 cores.
+    """
+    mx.async_eval(logits)
+    tokens[-1].item()
+    return logits
+
+
 def unbatchable_reason(model: nn.Module, max_kv_size: int | None) -> str | None:
     """Why the model's requests can't share a BatchGenerator, or None when they can."""
     if max_kv_size is not None:
