@@ -245,11 +245,13 @@ class RequestStream:
 
 @dataclass
 class _Job:
-    """Embedding or Score work: ``work.advance()`` runs a chunk, True when done."""
+    """Embedding or Score work: ``start()`` makes it, ``work.advance()`` runs a
+    chunk (True when done), ``finish(work)`` answers the futures."""
 
-    work: object
     futures: list[Future]
-    finish: Callable | None
+    start: Callable
+    finish: Callable
+    work: object = None
 
 
 class _Cancelled(Exception):
@@ -783,65 +785,68 @@ class Engine:
 
     def _step_side(self) -> None:
         """One chunk of the running embedding or score job; else the next job."""
+        if self._job is None:
+            self._job = self._next_job()
+        job = self._job
         try:
-            if self._job is None:
-                self._job = self._next_job()
-            if self._job.work.advance():
-                job, self._job = self._job, None
+            if job.work is None:
+                job.work = job.start()
+            if job.work.advance():
+                self._job = None
                 self._publish()  # before the caller can ask Status
                 job.finish(job.work)
         except Exception as e:
             logger.exception("embedding or scoring failed")
-            error = e.with_traceback(None)
-            futures = self._job.futures if self._job else []
             self._job = None
-            for future in futures:
-                future.set_exception(copy.copy(error))
+            error = e.with_traceback(None)
+            for future in job.futures:
+                if not future.done():
+                    future.set_exception(copy.copy(error))
 
-    def _next_job(self) -> "_Job":
+    def _next_job(self) -> _Job:
+        """The first waiting Score, or every waiting embedding up to a batch."""
         options = self.info.options
         request, future = self._side[0]
         if isinstance(request, ScoreRequest):
             del self._side[0]
-            kv_cache, rest = self._fetch_cache(request.prompt)
-            reused = len(request.prompt) - len(rest)
-            self._reused_tokens += reused
-            self._prefilled_tokens += len(rest)
-            # Held first, so a failure below fails this future.
-            self._job = _Job(None, [future], None)
+
+            def start() -> ScoreBatch:
+                kv_cache, rest = self._fetch_cache(request.prompt)
+                self._reused_tokens += len(request.prompt) - len(rest)
+                self._prefilled_tokens += len(rest)
+                return ScoreBatch(
+                    self._loaded.model,
+                    kv_cache,
+                    rest,
+                    request.candidates,
+                    options.prefill_step_size,
+                    options.max_batch_size,
+                )
 
             def finish(work: ScoreBatch) -> None:
-                self._save_cache(request, kv_cache, request.prompt)
+                self._save_cache(request, work.cache, request.prompt)
                 future.set_result(work.scores)
 
-            work = ScoreBatch(
-                self._loaded.model,
-                kv_cache,
-                rest,
-                request.candidates,
-                options.prefill_step_size,
-                options.max_batch_size,
-            )
-            return _Job(work, [future], finish)
-        # Every waiting embedding request, up to a batch, runs as one job.
+            return _Job([future], start, finish)
         embeddings = [
             item for item in self._side if isinstance(item[0], EmbeddingRequest)
         ][: options.max_batch_size]
         self._side = [item for item in self._side if item not in embeddings]
         futures = [future for _, future in embeddings]
-        self._job = _Job(None, futures, None)  # as above
+
+        def start() -> EmbeddingBatch:
+            return EmbeddingBatch(
+                self._loaded.model,
+                [request.tokens for request, _ in embeddings],
+                options.embedding_pooling,
+                options.prefill_step_size,
+            )
 
         def finish(work: EmbeddingBatch) -> None:
             for future, vector in zip(futures, work.vectors()):
                 future.set_result(vector)
 
-        work = EmbeddingBatch(
-            self._loaded.model,
-            [request.tokens for request, _ in embeddings],
-            options.embedding_pooling,
-            options.prefill_step_size,
-        )
-        return _Job(work, futures, finish)
+        return _Job(futures, start, finish)
 
     def _retire(
         self,

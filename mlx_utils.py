@@ -476,7 +476,7 @@ class ScoreBatch:
         max_rows: int,
     ):
         self._model = model
-        self._cache = cache
+        self.cache = cache
         self._rest = list(rest)
         self._candidates = list(candidates)
         self._step = step_size
@@ -489,19 +489,19 @@ class ScoreBatch:
         if self._first is None:
             chunk = self._rest[: min(self._step, len(self._rest) - 1) or 1]
             self._rest = self._rest[len(chunk) :]
-            logits = self._model(mx.array(chunk)[None], cache=self._cache)
+            logits = self._model(mx.array(chunk)[None], cache=self.cache)
             if self._rest:
-                mx.eval([c.state for c in self._cache])
+                mx.eval([c.state for c in self.cache])
                 return False
             self._first = _normalize(logits[0, -1])
             mx.eval(self._first)
             return False
         group = self._next_group()
-        self.scores += score_continuations(self._model, self._cache, self._first, group)
+        self.scores += score_continuations(self._model, self.cache, self._first, group)
         return len(self.scores) == len(self._candidates)
 
     def _next_group(self) -> list[Sequence[int]]:
-        copy_bytes = max(sum(c.nbytes for c in self._cache), 1)
+        copy_bytes = max(sum(c.nbytes for c in self.cache), 1)
         rows = max(1, min(self._max_rows, SCORE_COPY_BYTES // copy_bytes))
         group = [self._candidates[len(self.scores)]]
         for candidate in self._candidates[len(self.scores) + 1 :]:
