@@ -46,8 +46,10 @@ from python_utils import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     TemplateArgs,
     Unimplemented,
+    check_sampling,
     convert_messages,
     encode_prompt,
     fast_blas_in_use,
@@ -82,6 +84,7 @@ _STATUS_CODES = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     Aborted: grpc.StatusCode.ABORTED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 _STATUS_STATES = {
@@ -136,32 +139,41 @@ def _pick(requested, default, fallback):
 
 def parse_sampling(request, info: ModelInfo) -> SamplingParams:
     opts = info.options
-    if request.Temperature < 0:
-        raise InvalidArgument("Temperature must not be negative")
-    if not 0 <= request.TopP <= 1:
-        raise InvalidArgument("TopP must be between 0 and 1")
-    if not 0 <= request.MinP <= 1:
-        raise InvalidArgument("MinP must be between 0 and 1")
+    fields = {
+        "temperature": "Temperature",
+        "top_p": "TopP",
+        "min_p": "MinP",
+        "repetition_penalty": "Penalty",
+        "frequency_penalty": "FrequencyPenalty",
+        "presence_penalty": "PresencePenalty",
+    }
+    values = {
+        name: _pick(
+            check_sampling(field, name, getattr(request, field)),
+            getattr(opts, name),
+            0.0,
+        )
+        for name, field in fields.items()
+    }
     if request.TopK < 0:
         raise InvalidArgument("TopK must not be negative")
     return SamplingParams(
-        temperature=_pick(request.Temperature, opts.temperature, 0.0),
-        top_p=_pick(request.TopP, opts.top_p, 0.0),
+        **values,
         top_k=_pick(request.TopK, opts.top_k, 0),
-        min_p=_pick(request.MinP, opts.min_p, 0.0),
-        repetition_penalty=_pick(request.Penalty, opts.repetition_penalty, 0.0),
-        frequency_penalty=_pick(request.FrequencyPenalty, opts.frequency_penalty, 0.0),
-        presence_penalty=_pick(request.PresencePenalty, opts.presence_penalty, 0.0),
         repetition_context_size=opts.repetition_context_size,
         seed=request.Seed if request.Seed >= 0 else None,
         logit_bias=parse_logit_bias(request.LogitBias, info.vocab_size),
     )
 
 
-def parse_prompt(request, info: ModelInfo) -> tuple[list[int], TemplateArgs | None]:
+def is_chat(request) -> bool:
+    return bool(request.UseTokenizerTemplate and request.Messages)
+
+
+def parse_prompt(request, info: ModelInfo) -> tuple[list[int], TemplateArgs]:
     """Prompt token ids (the chat template over ``Messages``, or ``Prompt`` as given),
-    and the template arguments of a chat."""
-    if request.UseTokenizerTemplate and request.Messages:
+    and the template arguments (of a raw prompt: only its tools)."""
+    if is_chat(request):
         args = parse_template_args(
             request.Tools,
             request.ToolChoice,
@@ -170,26 +182,34 @@ def parse_prompt(request, info: ModelInfo) -> tuple[list[int], TemplateArgs | No
         )
         messages = convert_messages(request.Messages)
         return render_chat(info.tokenizer, messages, args), args
-    parse_tools(request.Tools)  # malformed Tools is refused whatever the prompt
-    return encode_prompt(info.tokenizer, request.Prompt), None
+    # Malformed Tools is refused whatever the prompt.
+    tools = parse_tools(request.Tools)
+    return encode_prompt(info.tokenizer, request.Prompt), TemplateArgs(tools=tools)
 
 
 def parse_output(
-    request, info: ModelInfo, prompt: list[int], chat: TemplateArgs | None
+    request, info: ModelInfo, prompt: list[int], args: TemplateArgs
 ) -> OutputOptions:
-    """How the reply is classified: chat-template requests only, as the model marks up."""
-    if chat is None:
-        return OutputOptions()
-    tokenizer = info.tokenizer
-    # A template that opens the assistant turn inside thinking ends the prompt there.
-    opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
-        prompt
-    ) > tokenizer.rfind_think_end(prompt)
+    """How the reply is classified, as the model marks it up: chat requests, and raw
+    prompts (LocalAI's Go templates) that carry Tools or end inside thinking."""
+    tokenizer, markers = info.tokenizer, info.markers
+    if is_chat(request):
+        # A template that opens the assistant turn inside thinking ends the prompt there.
+        opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
+            prompt
+        ) > tokenizer.rfind_think_end(prompt)
+    else:
+        text = request.Prompt
+        opened = bool(markers.think_start) and text.rfind(
+            markers.think_start
+        ) > text.rfind(markers.think_end or markers.think_start)
+        if not args.tools and not opened:
+            return OutputOptions()  # a plain completion: raw text
     return OutputOptions(
         classify=True,
         reasoning_open=opened,
         parse_tool_calls=parse_tool_choice(request.ToolChoice) != "none",
-        tools=chat.tools,
+        tools=args.tools,
     )
 
 
@@ -208,7 +228,7 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
     """Parse ``PredictOptions`` once into the engine's request type."""
     sampling = parse_sampling(request, info)
     forced = parse_forcing(request, info)
-    prompt, chat = parse_prompt(request, info)
+    prompt, args = parse_prompt(request, info)
     if not prompt:
         raise InvalidArgument("Prompt: the prompt is empty (set Prompt or Messages)")
     room = info.context_size - len(prompt)
@@ -224,7 +244,7 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
         sampling=sampling,
         stop=tuple(s for s in request.StopPrompts if s),
         ignore_eos=request.IgnoreEOS,
-        output=parse_output(request, info, prompt, chat),
+        output=parse_output(request, info, prompt, args),
         forced_tokens=forced,
         logprobs=parse_logprobs(request.Logprobs, request.TopLogprobs),
         grammar=info.grammars.compile(request.Grammar) if request.Grammar else None,
@@ -401,6 +421,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             model,
             options,
             request.ContextSize,
+            identity=request.Model,
             model_file=request.ModelFile,
             model_path=request.ModelPath,
             adapter=request.LoraAdapter or None,
@@ -408,8 +429,14 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         try:
             info = await asyncio.wrap_future(future)
         except Exception as e:
-            logger.warning("LoadModel failed: %s", e)
-            return backend_pb2.Result(success=False, message=f"LoadModel failed: {e}")
+            kept = self.engine.info
+            serving = (
+                f"; still serving {kept.source}" if kept else "; no model is loaded"
+            )
+            logger.warning("LoadModel failed: %s%s", e, serving)
+            return backend_pb2.Result(
+                success=False, message=f"LoadModel failed: {e}{serving}"
+            )
         logger.info("model loaded from %s, context %d", info.source, info.context_size)
         return backend_pb2.Result(
             success=True,

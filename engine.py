@@ -41,6 +41,7 @@ from grammar import (
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import (
     ComputePath,
+    ContinuationDetokenizer,
     EmbeddingBatch,
     LoadedModel,
     ScoreBatch,
@@ -61,7 +62,13 @@ from mlx_utils import (
     see_cached_prompt,
     unbatchable_reason,
 )
-from python_utils import Aborted, FailedPrecondition, InvalidArgument, LoadOptions
+from python_utils import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    LoadOptions,
+    ResourceExhausted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +177,7 @@ class ModelInfo:
     generation: int
     compute_path: ComputePath = ComputePath("")
     markers: OutputMarkers = OutputMarkers()
-    token_bytes: TokenBytes = TokenBytes((), False)
+    token_bytes: TokenBytes = TokenBytes(())
     # Whether the model's final hidden states can be read (for Embedding).
     embeddings: bool = False
     grammars: GrammarCompiler | None = None
@@ -225,10 +232,19 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self._outbox = outbox
         self.cancelled = False
+        # Events put by the engine, and those the handler has taken.
+        self._put = 0
+        self._taken = 0
 
     def put(self, event) -> None:
         """Queue ``event`` for the handler (engine thread only)."""
+        self._put += 1
         self._outbox.put(self, event)
+
+    @property
+    def backlog(self) -> int:
+        """Events the handler has not taken yet: its client is not reading."""
+        return self._put - self._taken
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -236,6 +252,7 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[Output | Finished]:
         while True:
             event = await self.queue.get()
+            self._taken += 1
             if isinstance(event, BaseException):
                 raise event
             yield event
@@ -281,10 +298,9 @@ class _Sequence:
         self.token_bytes = info.token_bytes
         # Logprob entries of tokens whose text has not gone out yet.
         self.logprobs: list[TokenLogprob] = []
-        self.text_started = False
         self.grammar: GrammarState | None = None
         self.eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
-        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer = ContinuationDetokenizer(tokenizer, request.prompt)
         self.output = OutputParser(info.markers, request.stop, request.output)
         self.generated = 0
         self.started = time.perf_counter()
@@ -367,10 +383,6 @@ class _Sequence:
 
     def _logprob_entry(self, token: int, logprob: float, top: list) -> TokenLogprob:
         text = self.token_bytes.of(token)
-        if not self.text_started and text:
-            self.text_started = True
-            if self.token_bytes.trims_first_space and text.startswith(b" "):
-                text = text[1:]
         alternatives = tuple((self.token_bytes.of(t), value) for t, value in top)
         return TokenLogprob(text, logprob, alternatives)
 
@@ -514,8 +526,19 @@ class Engine:
         if self._closed or not self._thread.is_alive():
             raise Aborted("the backend is shutting down")
 
-    def load(self, name: str, options: LoadOptions, context_size: int, **kwargs):
-        return self.call(self._load, name, options, context_size, kwargs)
+    def load(
+        self,
+        name: str,
+        options: LoadOptions,
+        context_size: int,
+        identity: str = "",
+        **kwargs,
+    ) -> Future:
+        """Load ``name``; a failure before its weights load keeps the current model.
+
+        ``identity`` is the ``Model`` string requests' ``ModelIdentity`` must match.
+        """
+        return self.call(self._load, name, identity, options, context_size, kwargs)
 
     def free(self):
         return self.call(self._free)
@@ -689,12 +712,28 @@ class Engine:
             future.set_result(result)
 
     def _step(self) -> None:
+        limit = self.info.options.max_stream_backlog
         for seq in list(self._active):
             if seq.stream.cancelled:
                 if seq.first_token_at is None:
                     logger.info("generation cancelled during prefill")
                 else:
                     logger.info("generation cancelled after %d tokens", seq.generated)
+                self._retire(seq)
+            elif seq.stream.backlog > limit:
+                # A client that stops reading must not make the server buffer its
+                # whole reply; the other streams go on.
+                logger.warning(
+                    "ending a stream after %d tokens: its client left %d replies unread",
+                    seq.generated,
+                    seq.stream.backlog,
+                )
+                seq.stream.put(
+                    ResourceExhausted(
+                        f"PredictStream: the client left {seq.stream.backlog} replies "
+                        f"unread (max_stream_backlog is {limit}); the stream was ended"
+                    )
+                )
                 self._retire(seq)
         if self._batched:
             self._step_batch()
@@ -878,6 +917,8 @@ class Engine:
         # Cancelled prefill keeps whole chunks, so the offset can fall short.
         length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
         if length > 1:
+            # Evaluated now: a lazy slice would pin the whole batch's KV buffers.
+            mx.eval([layer.state for layer in kv_cache])
             self._prompt_cache.insert_cache(
                 request.model_generation, list(tokens[:length]), kv_cache
             )
@@ -939,44 +980,23 @@ class Engine:
         gc.collect()
         release_memory()
 
-    def _load(self, name: str, options: LoadOptions, context_size: int, kwargs):
-        self._unload()
+    def _load(
+        self, name: str, identity: str, options: LoadOptions, context_size: int, kwargs
+    ) -> ModelInfo:
+        previous = self._state
         self._state = "loading"
         self._publish()
         try:
+            # Resolved and checked beside the running model, which a failure keeps.
             loaded = load_model(
                 name, trust_remote_code=options.trust_remote_code, **kwargs
             )
-            model, compute_path = prepare_for_cpu(
-                loaded.model, options.dequantize, options.dequantize_max_bytes
-            )
-            loaded = dataclasses.replace(loaded, model=model)
-            if options.prefill_step_size is None:
-                options = dataclasses.replace(
-                    options, prefill_step_size=compute_path.prefill_step_size
-                )
-            logger.info("compute path: %s", compute_path.description)
-            config_limit = loaded.config.get("max_position_embeddings") or 4096
-            vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
-            token_bytes = make_token_bytes(loaded.tokenizer)
-            info = ModelInfo(
-                name=name,
-                source=loaded.source,
-                tokenizer=loaded.tokenizer,
-                context_size=context_size or config_limit,
-                vocab_size=vocab_size,
-                options=options,
-                generation=self._generation + 1,
-                compute_path=compute_path,
-                markers=make_output_markers(loaded.tokenizer),
-                token_bytes=token_bytes,
-                embeddings=hidden_state_model(loaded.model) is not None,
-                grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
-            )
-            why = unbatchable_reason(loaded.model, options.max_kv_size)
-            if why:
-                logger.info("requests run one sequence each: %s", why)
-            batch = None if why else self._make_batch(loaded.model, options)
+        except Exception:
+            self._state = previous
+            raise
+        self._unload()
+        try:
+            loaded, info, batch = self._prepare(loaded, identity, options, context_size)
         except Exception:
             self._state = "error"
             raise
@@ -998,6 +1018,46 @@ class Engine:
         gc.collect()
         gc.freeze()
         return info
+
+    def _prepare(
+        self,
+        loaded: LoadedModel,
+        identity: str,
+        options: LoadOptions,
+        context_size: int,
+    ) -> tuple[LoadedModel, ModelInfo, BatchGenerator | None]:
+        """Load the weights and build what serving the model needs."""
+        mx.eval(loaded.model.parameters())
+        model, compute_path = prepare_for_cpu(
+            loaded.model, options.dequantize, options.dequantize_max_bytes
+        )
+        loaded = dataclasses.replace(loaded, model=model)
+        if options.prefill_step_size is None:
+            options = dataclasses.replace(
+                options, prefill_step_size=compute_path.prefill_step_size
+            )
+        logger.info("compute path: %s", compute_path.description)
+        config_limit = loaded.config.get("max_position_embeddings") or 4096
+        vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
+        token_bytes = make_token_bytes(loaded.tokenizer)
+        info = ModelInfo(
+            name=identity,
+            source=loaded.source,
+            tokenizer=loaded.tokenizer,
+            context_size=context_size or config_limit,
+            vocab_size=vocab_size,
+            options=options,
+            generation=self._generation + 1,
+            compute_path=compute_path,
+            markers=make_output_markers(loaded.tokenizer),
+            token_bytes=token_bytes,
+            embeddings=hidden_state_model(loaded.model) is not None,
+            grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
+        )
+        why = unbatchable_reason(loaded.model, options.max_kv_size)
+        if why:
+            logger.info("requests run one sequence each: %s", why)
+        return loaded, info, None if why else self._make_batch(loaded.model, options)
 
     def _make_batch(self, model, options: LoadOptions) -> BatchGenerator:
         if self._stream is None:

@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_utils import TokenBytes
-from python_utils import InvalidArgument
+from python_utils import MAX_JSON_DEPTH, InvalidArgument, json_depth, nested_too_deeply
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ def to_llguidance(text: str) -> str:
         schema = json.loads(source)
     except ValueError:
         schema = None
+    except RecursionError:
+        raise nested_too_deeply("Grammar") from None
+    if schema is not None and json_depth(schema) > MAX_JSON_DEPTH:
+        raise nested_too_deeply("Grammar")
     try:
         if schema is None:
             return llguidance.grammar_from("gbnf", source)

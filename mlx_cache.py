@@ -32,8 +32,11 @@ class _Entry:
 
 
 def cache_nbytes(prompt_cache: Sequence[Any]) -> int:
-    """Bytes held by the KV arrays of a per-layer list of caches."""
-    return sum(layer.nbytes for layer in prompt_cache)
+    """Bytes held by the KV arrays of a per-layer list of caches.
+
+    Entries are opaque to the cache: a layer without ``nbytes`` counts 0 bytes.
+    """
+    return sum(getattr(layer, "nbytes", 0) for layer in prompt_cache)
 
 
 class ThreadSafeLRUPromptCache:

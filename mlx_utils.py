@@ -72,6 +72,7 @@ def _load_path(path: Path, adapter: str | None, trust_remote_code: bool):
         model, tokenizer, config = load_mlx_folder(
             str(path),
             adapter_path=adapter,
+            lazy=True,
             return_config=True,
             trust_remote_code=trust_remote_code,
         )
@@ -91,6 +92,10 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve and load a model the way LocalAI names it.
+
+    Everything is read and checked (config, weight names and shapes, tokenizer,
+    adapter), but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
+    loads them, so a caller can free the previous model first.
 
     Args:
         model: ``ModelOptions.Model``: a folder, a ``.gguf`` file or a Hugging
@@ -156,6 +161,7 @@ def _load_path_or_repo(ref: str, adapter: str | None, trust_remote_code: bool):
     return load_mlx_folder(
         ref,
         adapter_path=adapter,
+        lazy=True,
         return_config=True,
         trust_remote_code=trust_remote_code,
     )
@@ -394,11 +400,9 @@ def release_memory() -> None:
 
 @dataclass(frozen=True)
 class TokenBytes:
-    """Each token's bytes as the streaming detokenizer adds them to the text."""
+    """Each token's bytes as they continue a text."""
 
     table: tuple[bytes, ...]
-    # The detokenizer drops the first space of a reply; the first bytes do too.
-    trims_first_space: bool
 
     def of(self, token: int) -> bytes:
         return self.table[token] if 0 <= token < len(self.table) else b""
@@ -415,13 +419,53 @@ def make_token_bytes(tokenizer: TokenizerWrapper) -> TokenBytes:
             )
             for piece in detokenizer.tokenmap
         )
-        return TokenBytes(table, trims_first_space=True)
+        return TokenBytes(table)
     if isinstance(detokenizer, SPMStreamingDetokenizer):
-        table = tuple(t.replace("\u2581".encode(), b" ") for t in detokenizer.tokenmap)
-        return TokenBytes(table, trims_first_space=detokenizer.trim_space)
+        return TokenBytes(
+            tuple(t.replace("\u2581".encode(), b" ") for t in detokenizer.tokenmap)
+        )
     tokens = range(len(tokenizer.vocab))
-    table = tuple(tokenizer.decode([t]).encode("utf-8") for t in tokens)
-    return TokenBytes(table, trims_first_space=False)
+    return TokenBytes(tuple(tokenizer.decode([t]).encode("utf-8") for t in tokens))
+
+
+# Prompt tokens a reply's detokenizer starts from: enough to hold the bytes of any
+# character and the space before a word.
+DETOKENIZER_CONTEXT = 4
+
+
+class ContinuationDetokenizer:
+    """mlx-lm's streaming detokenizer for a reply that continues a prompt.
+
+    Its text is ``decode(prompt + reply)`` minus ``decode(prompt)``. mlx-lm's
+    detokenizers drop the first space of their text, which is right at the start of
+    a text and wrong after a prompt ("The capital of France is" -> " Paris"), so this
+    one starts from the prompt's last tokens and streams only what follows them.
+    """
+
+    def __init__(self, tokenizer: TokenizerWrapper, prompt: Sequence[int]):
+        context = list(prompt[-DETOKENIZER_CONTEXT:])
+        self._detokenizer = tokenizer.detokenizer
+        measure = tokenizer.detokenizer
+        for token in context:
+            self._detokenizer.add_token(token)
+            measure.add_token(token)
+        # The context's whole text, including what the detokenizer still holds.
+        measure.finalize()
+        self._offset = len(measure.text)
+
+    def add_token(self, token: int) -> None:
+        self._detokenizer.add_token(token)
+
+    def finalize(self) -> None:
+        self._detokenizer.finalize()
+
+    @property
+    def last_segment(self) -> str:
+        """The reply's text since the last call."""
+        text = self._detokenizer.text
+        segment = text[self._offset :]
+        self._offset = max(self._offset, len(text))
+        return segment
 
 
 def gather_logprobs(

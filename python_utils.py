@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ class NotFound(BackendError):
 
 class Unimplemented(BackendError):
     """The RPC is declared but not served yet (UNIMPLEMENTED)."""
+
+
+class ResourceExhausted(BackendError):
+    """A request outgrew a limit of the backend's, e.g. an unread stream (RESOURCE_EXHAUSTED)."""
 
 
 class Aborted(BackendError):
@@ -67,6 +72,8 @@ class LoadOptions:
     forced_tokens: bool = False
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
+    # Replies a stream may hold unread by its client before it is ended.
+    max_stream_backlog: int = 256
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -128,6 +135,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "repetition_context_size",
         "max_kv_size",
         "dequantize_max_bytes",
+        "max_stream_backlog",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 1:
@@ -136,11 +144,36 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         value = getattr(parsed, name)
         if value is not None and value < 0:
             raise InvalidArgument(f"Options: {name} must not be negative")
+    for name in SAMPLING_RANGES:
+        value = getattr(parsed, name)
+        if value is not None:
+            check_sampling(f"Options: {name}", name, value)
     if parsed.embedding_pooling not in EMBEDDING_POOLINGS:
         raise InvalidArgument(
             f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"
         )
     return parsed
+
+
+# The accepted range of each sampling value. A value outside it is refused, never
+# clamped; the OpenAI fields keep OpenAI's ranges.
+SAMPLING_RANGES = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, math.inf),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+}
+
+
+def check_sampling(field: str, name: str, value: float) -> float:
+    """``value`` when it is finite and inside ``SAMPLING_RANGES[name]``."""
+    low, high = SAMPLING_RANGES[name]
+    if not math.isfinite(value) or not low <= value <= high:
+        bounds = f"at least {low:g}" if high == math.inf else f"{low:g} to {high:g}"
+        raise InvalidArgument(f"{field} must be a finite number, {bounds}; got {value}")
+    return value
 
 
 EMBEDDING_POOLINGS = ("mean", "last")
@@ -171,12 +204,39 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
+# Deeper JSON is refused: chat templates, tool parsers and grammar compilers
+# recurse over what a request sends.
+MAX_JSON_DEPTH = 100
+
+
 def parse_json_field(field: str, text: str) -> Any:
     """Decode a JSON request field, naming the field when it is malformed."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{field}: malformed JSON: {e}") from None
+    except RecursionError:
+        raise nested_too_deeply(field) from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise nested_too_deeply(field)
+    return value
+
+
+def nested_too_deeply(field: str) -> InvalidArgument:
+    return InvalidArgument(f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a decoded JSON value (a scalar is 0)."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _decode_tool_calls(index: int, text: str) -> list[dict]:
@@ -229,12 +289,12 @@ def parse_tools(text: str) -> list | None:
 
 def parse_tool_choice(text: str) -> str | dict | None:
     """``ToolChoice`` is JSON (a quoted mode or an object); a bare mode is accepted."""
-    if not text.strip():
+    text = text.strip()
+    if not text:
         return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text.strip()
+    if text[0] not in '"{[':
+        return text
+    return parse_json_field("ToolChoice", text)
 
 
 def parse_forced_tokens(text: str, vocab_size: int) -> tuple[int, ...]:
@@ -262,9 +322,11 @@ def parse_logit_bias(text: str, vocab_size: int) -> dict[int, float]:
         try:
             token, amount = int(key), float(value)
         except (TypeError, ValueError):
+            token, amount = -1, math.nan
+        if not math.isfinite(amount):
             raise InvalidArgument(
-                f"LogitBias: {key!r}: {value!r} is not a token id and a number"
-            ) from None
+                f"LogitBias: {key!r}: {value!r} is not a token id and a finite number"
+            )
         if 0 <= token < vocab_size:
             bias[token] = amount
     return bias

@@ -1,6 +1,7 @@
 """End-to-end tests: a real backend process, a real port, the real default model."""
 
 import json
+import math
 import os
 import platform
 import re
@@ -19,6 +20,7 @@ import pytest
 
 import backend_pb2 as pb
 import backend_pb2_grpc
+from gguf_loader import export_mlx_folder
 from mlx_utils import default_model_path
 from python_utils import FAST_BLAS_INSTALL, find_fast_blas
 
@@ -389,8 +391,21 @@ def test_logit_bias_forces_a_token(server):
     reply = server.stub.Predict(
         chat(Tokens=3, LogitBias=json.dumps({str(token[0]): 100}))
     )
-    # mlx-lm's BPE detokenizer drops the leading space of the first token.
-    assert reply.message.decode() == "banana banana banana"
+    # The reply continues the prompt, so its first token keeps its space.
+    assert reply.message.decode() == " banana banana banana"
+
+
+def test_a_completion_keeps_its_leading_space(server):
+    prompt = "The capital of France is"
+    request = pb.PredictOptions(Prompt=prompt, Tokens=2, Logprobs=1)
+    reply = server.stub.Predict(request)
+    # decode(prompt + reply) - decode(prompt), byte for byte.
+    assert reply.message == b" Paris."
+    entries = json.loads(reply.logprobs)["content"]
+    assert [bytes(e["bytes"]) for e in entries] == [b" Paris", b"."]
+    assert [e["token"] for e in entries] == [" Paris", "."]
+    texts, _ = stream_texts(server.stub, request)
+    assert "".join(texts) == " Paris."
 
 
 # -- other RPCs ---------------------------------------------------------------
@@ -503,6 +518,70 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
         srv.stop()
 
 
+def server_rss_mib(server) -> int:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) // 1024
+
+
+def test_an_unread_stream_is_ended_and_the_others_go_on(server):
+    # No BDP probing: the client's window stays 64 KiB, as a stuck client's would.
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{server.port}", options=[("grpc.http2.bdp_probe", 0)]
+    )
+    stub = backend_pb2_grpc.BackendStub(channel)
+    assert stub.LoadModel(pb.ModelOptions(Options=["max_stream_backlog:16"])).success
+    try:
+        rss = server_rss_mib(server)
+        unread = stub.PredictStream(
+            pb.PredictOptions(
+                Prompt="Once upon a time",
+                Tokens=2000,
+                IgnoreEOS=True,
+                Logprobs=1,
+                TopLogprobs=20,
+            )
+        )
+        # Another stream, read as it comes, is not held back.
+        texts, final = stream_texts(stub, chat(Tokens=40))
+        assert "".join(texts) == ANSWER
+        deadline = time.monotonic() + 120
+        while "its client left" not in server.logs():
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.2)
+        received = 0
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in unread:
+                received += 1
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_stream_backlog" in error.value.details()
+        # Bounded: what the client's window holds (about 20 replies) and 16 more.
+        assert 16 < received < 200
+        assert server_rss_mib(server) - rss < 200
+    finally:
+        assert stub.LoadModel(pb.ModelOptions(Model="default")).success
+        channel.close()
+
+
+def test_finished_generations_keep_only_their_own_kv_state(server):
+    def held() -> int:
+        # MLX memory beyond the prompt cache's own count, once the batch is done.
+        server.wait_for(pb.StatusResponse.READY)
+        memory = server.stub.Status(pb.HealthMessage()).memory.breakdown
+        return memory["active"] - memory["prompt_cache_bytes"]
+
+    before = held()
+    run_concurrently(
+        [
+            lambda i=i: server.stub.Predict(
+                pb.PredictOptions(Prompt=f"Tale {i}:", Tokens=48, IgnoreEOS=True)
+            )
+            for i in range(8)
+        ]
+    )
+    # A cache entry left lazy would pin the whole batch's KV buffers.
+    assert held() - before < 16 << 20
+
+
 def test_health_and_status_answer_during_generation(server):
     stream = server.stub.PredictStream(
         chat("Tell me a long story.", Tokens=200, IgnoreEOS=True)
@@ -574,6 +653,24 @@ def test_cancel_during_prefill(server):
         ({"Metadata": {"chat_template_kwargs": "[1"}}, "Metadata.chat_template_kwargs"),
         ({"Temperature": -1.0}, "Temperature"),
         ({"TopP": 1.5}, "TopP"),
+        # Deep nesting used to escape as INTERNAL (RecursionError).
+        ({"Tools": "[" * 5000}, "Tools"),
+        ({"ToolChoice": "[" * 5000}, "ToolChoice"),
+        ({"Metadata": {"chat_template_kwargs": "[" * 5000}}, "chat_template_kwargs"),
+        ({"Grammar": "[" * 5000}, "Grammar"),
+        ({"LogitBias": '{"1":' * 3000}, "LogitBias"),
+        ({"Tools": "[" * 150 + "]" * 150}, "Tools"),
+        # Sampling values must be finite and inside their ranges.
+        ({"Penalty": -2.0}, "Penalty"),
+        ({"Penalty": math.inf}, "Penalty"),
+        ({"Temperature": math.nan}, "Temperature"),
+        ({"Temperature": 2.5}, "Temperature"),
+        ({"TopP": math.nan}, "TopP"),
+        ({"MinP": math.nan}, "MinP"),
+        ({"FrequencyPenalty": math.nan}, "FrequencyPenalty"),
+        ({"FrequencyPenalty": -2.5}, "FrequencyPenalty"),
+        ({"PresencePenalty": 2.5}, "PresencePenalty"),
+        ({"LogitBias": '{"1": NaN}'}, "LogitBias"),
     ],
 )
 def test_malformed_fields_are_invalid_argument(server, fields, field_name):
@@ -591,6 +688,10 @@ def test_malformed_message_tool_calls(server):
             pb.Message(role="assistant", tool_calls="{oops"),
         ],
     )
+    error = error_of(server.stub.Predict, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Messages[1].tool_calls" in error.details()
+    request.Messages[1].tool_calls = "[" * 5000
     error = error_of(server.stub.Predict, request)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Messages[1].tool_calls" in error.details()
@@ -623,6 +724,42 @@ def test_context_size_identity_and_reload(server):
         assert server.stub.Predict(chat(Tokens=2, ModelIdentity=path)).tokens == 2
     finally:
         assert server.stub.LoadModel(pb.ModelOptions(Model="default")).success
+
+
+def test_the_default_model_answers_to_its_identity(server):
+    # The fixture loaded Model="default": requests name it as the frontend sent it.
+    assert server.stub.Predict(chat(Tokens=2, ModelIdentity="default")).tokens == 2
+    error = error_of(server.stub.Predict, chat(Tokens=2, ModelIdentity="other"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details().startswith("model identity mismatch:")
+
+
+@pytest.fixture(scope="module")
+def mlx_folder(tmp_path_factory) -> Path:
+    return export_mlx_folder(default_model_path(), tmp_path_factory.mktemp("mlx"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"Model": "/nonexistent/model"},
+        {"Model": "/etc/passwd"},
+        {"Model": "shadow", "ModelFile": "/etc/shadow"},
+        {"Model": "default", "LoraAdapter": "/nonexistent/adapter"},
+        {"Model": "MLX_FOLDER", "LoraAdapter": "/nonexistent/adapter"},
+        {"Model": "default", "Options": ["temperature:nan"]},
+    ],
+)
+def test_a_failed_load_keeps_the_model_serving(server, mlx_folder, options):
+    if options["Model"] == "MLX_FOLDER":
+        options = {**options, "Model": str(mlx_folder)}
+    result = server.stub.LoadModel(pb.ModelOptions(**options))
+    assert not result.success
+    if "Options" not in options:  # options are refused before the engine sees them
+        assert "still serving default model" in result.message, result.message
+    assert server.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.READY
+    reply = server.stub.Predict(chat(Tokens=40, ModelIdentity="default"))
+    assert reply.message.decode() == ANSWER
 
 
 def test_load_options_are_request_defaults(server):

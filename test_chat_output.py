@@ -517,6 +517,52 @@ def test_a_raw_prompt_keeps_its_raw_text(server, folders, tokenizer):
     assert summary(reply.chat_deltas) == (REPLY, "", ())
 
 
+# LocalAI's Go templates render the conversation themselves and send it as Prompt.
+RENDERED = (
+    "<|im_start|>user\nWeather in Paris and Lyon?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def forced_prompt(tokenizer, prompt: str, reply: str, **fields) -> pb.PredictOptions:
+    tokens = json.dumps(tokenizer.encode(reply))
+    return pb.PredictOptions(
+        Prompt=prompt, Metadata={"forced_tokens": tokens}, **fields
+    )
+
+
+def test_a_raw_prompt_with_tools_is_classified(server, folders, tokenizer):
+    load(server, folders, "json")
+    tools = json.dumps([WEATHER_TOOL])
+    request = forced_prompt(tokenizer, RENDERED, REPLY, Tools=tools)
+    reply = server.stub.Predict(request)
+    assert reply.message.decode() == EXPECTED_REPLY[0]
+    assert summary(reply.chat_deltas) == EXPECTED_REPLY
+    replies = list(server.stub.PredictStream(request))
+    assert "".join(r.message.decode() for r in replies) == EXPECTED_REPLY[0]
+    assert summary([d for r in replies for d in r.chat_deltas]) == EXPECTED_REPLY
+    # ToolChoice none parses no calls: the markup stays text, the reasoning does not.
+    request = forced_prompt(tokenizer, RENDERED, REPLY, Tools=tools, ToolChoice="none")
+    content, reasoning, calls = summary(server.stub.Predict(request).chat_deltas)
+    assert "<tool_call>" in content and reasoning == THOUGHT + "\n" and not calls
+
+
+def test_a_raw_prompt_that_ends_inside_thinking_is_classified(
+    server, folders, tokenizer
+):
+    load(server, folders, "json")
+    opened = RENDERED + "<think>\n"
+    reply = server.stub.Predict(
+        forced_prompt(tokenizer, opened, f"{THOUGHT}\n</think>\n\nSunny.")
+    )
+    assert summary(reply.chat_deltas) == ("Sunny.", THOUGHT + "\n", ())
+    assert reply.message.decode() == "Sunny."
+    # After a closed think block, a completion without Tools stays raw text.
+    closed = opened + "Hmm.\n</think>\n\n"
+    text = "Sunny.<tool_call>"
+    reply = server.stub.Predict(forced_prompt(tokenizer, closed, text))
+    assert summary(reply.chat_deltas) == (text, "", ())
+
+
 LYON_CALL = {"name": "get_weather", "arguments": '{"city": "Lyon"}'}
 
 

@@ -56,7 +56,6 @@ def test_predict_logprobs_cover_the_reply(server):
         assert values == sorted(values, reverse=True) and values[0] <= 0
         # Greedy picks the best token, so it leads its own alternatives.
         assert top[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-6)
-    # The alternatives keep their own bytes (the first piece is " The" untrimmed).
     assert top[0]["bytes"] == list(top[0]["token"].encode())
     assert {t["token"] for t in entries[5]["top_logprobs"]} >= {" Paris"}
 
@@ -175,9 +174,9 @@ def test_score_agrees_with_generation_logprobs(server):
     reply = server.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=8, Logprobs=1))
     entries = entries_of(reply)
     assert len(entries) == 8
-    # The reply drops the first token's leading space; the candidate keeps it.
-    continuation = " " + reply.message.decode()
-    assert bytes(entries[0]["bytes"])[:1] != b" "
+    # The reply continues the prompt, so it is the candidate as it stands.
+    continuation = reply.message.decode()
+    assert bytes(entries[0]["bytes"])[:1] == b" "
     score = server.stub.Score(
         pb.ScoreRequest(
             prompt=prompt,
@@ -188,7 +187,7 @@ def test_score_agrees_with_generation_logprobs(server):
     )
     (candidate,) = score.candidates
     assert candidate.num_tokens == 8
-    assert [t.token for t in candidate.tokens][1:] == [e["token"] for e in entries][1:]
+    assert [t.token for t in candidate.tokens] == [e["token"] for e in entries]
     for token, entry in zip(candidate.tokens, entries):
         assert token.log_prob == pytest.approx(entry["logprob"], abs=2e-3)
     total = sum(t.log_prob for t in candidate.tokens)

@@ -182,6 +182,21 @@ def test_clear():
     assert cache.fetch_nearest_cache("m", [1, 2]) == (None, [1, 2])
 
 
+def test_opaque_entries_are_kept_as_they_are():
+    # LocalAI's backends and tests keep any objects as caches: they count 0 bytes.
+    cache = ThreadSafeLRUPromptCache(max_size=2)
+    entry = ["layer-0", {"layer": 1}, object()]
+    cache.insert_cache("m", [1, 2, 3], entry)
+    assert len(cache) == 1 and cache.nbytes == 0 and cache_nbytes(entry) == 0
+    assert cache.fetch_nearest_cache("m", [1, 2, 3, 4]) == (entry, [4])
+    cache.insert_cache("m", [1, 2], ["a"])
+    cache.insert_cache("m", [5, 6], ["b"])
+    cache.insert_cache("m", [7, 8], ["c"])
+    assert len(cache) == 2
+    assert cache.fetch_nearest_cache("m", [1, 2]) == (None, [1, 2])
+    assert cache.fetch_nearest_cache("m", [7, 8]) == (["c"], [])
+
+
 def test_with_mlx_lm_kv_caches():
     def kv(n, offset=0):
         layer = KVCache()

@@ -1,6 +1,7 @@
 """Unit tests for the MLX-free helpers, and the proto against the wire contract."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -10,14 +11,18 @@ import backend_pb2
 from python_utils import (
     FAST_BLAS_ENV,
     InvalidArgument,
+    MAX_JSON_DEPTH,
     LoadOptions,
     TemplateArgs,
     blas_choice_environment,
+    check_sampling,
+    json_depth,
     convert_messages,
     encode_prompt,
     fast_blas_in_use,
     find_fast_blas,
     parse_duration,
+    parse_json_field,
     parse_logit_bias,
     parse_logprobs,
     parse_options,
@@ -123,6 +128,11 @@ def test_parse_options_ignores_unknown_keys():
         ("prefill_step_size:0", "prefill_step_size"),
         ("max_kv_size:0", "max_kv_size"),
         ("max_tokens:-1", "max_tokens"),
+        ("temperature:nan", "temperature"),
+        ("top_p:1.5", "top_p"),
+        ("frequency_penalty:-3", "frequency_penalty"),
+        ("penalty:inf", "repetition_penalty"),
+        ("max_stream_backlog:0", "max_stream_backlog"),
     ],
 )
 def test_parse_options_rejects_bad_values(entry, message):
@@ -223,6 +233,55 @@ def test_parse_tools_and_tool_choice():
     assert parse_tool_choice('"none"') == "none"
     assert parse_tool_choice("auto") == "auto"
     assert parse_tool_choice('{"type": "function"}') == {"type": "function"}
+    with pytest.raises(InvalidArgument, match="ToolChoice: malformed JSON"):
+        parse_tool_choice('{"type": ')
+
+
+@pytest.mark.parametrize(
+    "name, good, bad",
+    [
+        ("temperature", [0.0, 0.7, 2.0], [-0.1, 2.01]),
+        ("top_p", [0.0, 1.0], [-0.5, 1.5]),
+        ("min_p", [0.0, 0.05, 1.0], [1.01]),
+        ("repetition_penalty", [0.0, 1.1, 50.0], [-2.0]),
+        ("frequency_penalty", [-2.0, 0.0, 2.0], [-2.5, 2.5]),
+        ("presence_penalty", [-2.0, 1.5], [3.0]),
+    ],
+)
+def test_sampling_values_are_refused_outside_their_range(name, good, bad):
+    for value in good:
+        assert check_sampling("Field", name, value) == value
+    for value in bad + [math.nan, math.inf, -math.inf]:
+        with pytest.raises(InvalidArgument, match="^Field must be a finite number"):
+            check_sampling("Field", name, value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 5000,
+        '{"1":' * 3000,
+        "[" * 101 + "]" * 101,
+        '{"a": ' * 101 + "1" + "}" * 101,
+    ],
+)
+def test_deeply_nested_json_is_invalid_argument(text):
+    with pytest.raises(InvalidArgument, match="^Tools: JSON nested deeper than 100"):
+        parse_json_field("Tools", text)
+    with pytest.raises(InvalidArgument, match="^ToolChoice: JSON nested deeper"):
+        parse_tool_choice(text)
+
+
+def test_json_depth():
+    assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [1]}) == 2
+    deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert json_depth(parse_json_field("Tools", deepest)) == MAX_JSON_DEPTH
+
+
+def test_parse_logit_bias_refuses_non_finite_biases():
+    for text in ('{"1": NaN}', '{"1": Infinity}', '{"1": 1e999}', '{"1": "x"}'):
+        with pytest.raises(InvalidArgument, match="LogitBias.*finite number"):
+            parse_logit_bias(text, vocab_size=10)
 
 
 def test_parse_logit_bias_ignores_out_of_vocabulary_ids():
