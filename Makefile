@@ -4,6 +4,7 @@ VENV := venv
 PY := $(VENV)/bin/python
 ADDR ?= 127.0.0.1:50051
 MODEL ?= default
+SOAK_MINUTES ?= 3
 
 # Which MLX build to install: cpu, mps, cublas12 or cublas13 (override with BUILD_TYPE=...).
 ifeq ($(BUILD_TYPE),)
@@ -18,7 +19,7 @@ endif
 
 STUBS := backend_pb2.py backend_pb2_grpc.py
 
-.PHONY: install run test bench protogen clean fast-blas
+.PHONY: install run test bench protogen clean fast-blas soak
 
 install: $(VENV)/.installed $(STUBS) fast-blas
 
@@ -58,7 +59,11 @@ run: install
 	./run.sh --addr $(ADDR) --model $(MODEL)
 
 test: install $(VENV)/.test-installed
-	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test_mlx_cache.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py
+	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test_mlx_cache.py test_detokenizer.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py
+
+# Mixed concurrent load against a real backend for SOAK_MINUTES: errors, latency, RSS.
+soak: install $(VENV)/.test-installed
+	$(PY) soak.py --minutes $(SOAK_MINUTES)
 
 $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt

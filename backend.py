@@ -157,9 +157,11 @@ def parse_sampling(request, info: ModelInfo) -> SamplingParams:
     }
     if request.TopK < 0:
         raise InvalidArgument("TopK must not be negative")
+    top_k = _pick(request.TopK, opts.top_k, 0)
     return SamplingParams(
         **values,
-        top_k=_pick(request.TopK, opts.top_k, 0),
+        # Keeping the whole vocabulary or more filters nothing.
+        top_k=top_k if top_k < info.vocab_size else 0,
         repetition_context_size=opts.repetition_context_size,
         seed=request.Seed if request.Seed >= 0 else None,
         logit_bias=parse_logit_bias(request.LogitBias, info.vocab_size),

@@ -9,7 +9,10 @@ marker detection work as for any MLX folder.
 
 import json
 import logging
+import math
+import mmap
 import re
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -221,6 +224,106 @@ def save_tokenizer(metadata: dict, folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
+# GGUF metadata value types: the scalars' sizes, strings and arrays.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+# Tensor types MLX reads (F32, F16, Q4_0, Q4_1, Q8_0): (values, bytes) per block.
+_TENSOR_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
+# The smallest tensor-table entry: a name length, one dimension, a type, an offset.
+_MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
+
+
+class _GGUFWalker:
+    """Reads a GGUF file's header within its bounds; every overrun is a GGUFError."""
+
+    def __init__(self, data: mmap.mmap):
+        self.data = data
+        self.pos = 0
+
+    def check_room(self, size: int) -> None:
+        if size > len(self.data) - self.pos:
+            raise GGUFError(f"the file is truncated or corrupt at byte {self.pos}")
+
+    def take(self, size: int) -> int:
+        self.check_room(size)
+        self.pos += size
+        return self.pos - size
+
+    def unpack(self, fmt: str) -> int:
+        return struct.unpack_from(fmt, self.data, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        size = self.unpack("<Q")
+        start = self.take(size)
+        return self.data[start : start + size]
+
+    def value(self, kind: int) -> None:
+        if kind in _SCALAR_BYTES:
+            self.take(_SCALAR_BYTES[kind])
+        elif kind == _STRING:
+            self.string()
+        elif kind == _ARRAY:
+            item, count = self.unpack("<I"), self.unpack("<Q")
+            if item in _SCALAR_BYTES:
+                self.take(count * _SCALAR_BYTES[item])
+            elif item == _STRING:
+                self.check_room(count * 8)  # each string has its length
+                for _ in range(count):
+                    self.string()
+            else:
+                raise GGUFError(f"unsupported metadata array of type {item}")
+        else:
+            raise GGUFError(f"unknown metadata type {kind}")
+
+
+def check_gguf(path: str | Path) -> None:
+    """Check that a GGUF file's metadata and tensors lie inside the file.
+
+    MLX's GGUF reader trusts every length it reads, so a corrupt or truncated file
+    would crash the process; this walks the header in Python first.
+
+    Raises:
+        GGUFError: The file is corrupt, truncated, or holds unsupported tensors.
+    """
+    with open(path, "rb") as file:
+        if Path(path).stat().st_size < 24:
+            raise GGUFError("the file is too short for a GGUF header")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            walker = _GGUFWalker(data)
+            magic, version = data[:4], walker.unpack("<4xI")
+            if magic != b"GGUF" or version not in (2, 3):
+                raise GGUFError(
+                    f"not a GGUF file of version 2 or 3 ({magic!r}, {version})"
+                )
+            tensors, pairs = walker.unpack("<Q"), walker.unpack("<Q")
+            alignment = 32
+            for _ in range(pairs):
+                key, kind = walker.string(), walker.unpack("<I")
+                if key == b"general.alignment" and kind == _UINT32:
+                    alignment = walker.unpack("<I") or 32
+                else:
+                    walker.value(kind)
+            walker.check_room(tensors * _MIN_TENSOR_INFO)
+            table = []
+            for _ in range(tensors):
+                name = walker.string().decode("utf-8", errors="replace")
+                dims = walker.unpack("<I")
+                if not 1 <= dims <= 4:
+                    raise GGUFError(f"tensor {name!r} has {dims} dimensions")
+                shape = [walker.unpack("<Q") for _ in range(dims)]
+                kind, offset = walker.unpack("<I"), walker.unpack("<Q")
+                if kind not in _TENSOR_BLOCKS:
+                    raise GGUFError(f"tensor {name!r} has unsupported type {kind}")
+                values, block = _TENSOR_BLOCKS[kind]
+                if math.prod(shape) % values:
+                    raise GGUFError(f"tensor {name!r} is not whole blocks")
+                table.append((name, offset, math.prod(shape) // values * block))
+            start = -(-walker.pos // alignment) * alignment
+            for name, offset, size in table:
+                if start + offset + size > len(data):
+                    raise GGUFError(f"tensor {name!r} runs past the end of the file")
+
+
 def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
     """Load a llama-architecture GGUF file.
 
@@ -230,6 +333,7 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
     Returns:
         The mlx-lm model, its ``TokenizerWrapper`` and the model config.
     """
+    check_gguf(path)
     weights, metadata = mx.load(str(path), return_metadata=True)
     config = make_config(metadata, weights)
     model = make_model(config, weights)
@@ -264,6 +368,7 @@ def export_mlx_folder(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    check_gguf(path)
     weights, metadata = mx.load(str(path), return_metadata=True)
     config = make_config(metadata, weights)
     if dequantize:

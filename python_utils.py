@@ -341,6 +341,30 @@ class TemplateArgs:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
+# apply_chat_template's own arguments (transformers 5): chat_template_kwargs may only
+# add template variables, never swap the template or change what rendering returns.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def parse_template_args(
     tools: str, tool_choice: str, metadata: dict, default_thinking: bool | None
 ) -> TemplateArgs:
@@ -363,6 +387,12 @@ def parse_template_args(
         if not isinstance(extra, dict):
             raise InvalidArgument(
                 "Metadata.chat_template_kwargs: expected a JSON object"
+            )
+        reserved = sorted(TEMPLATE_ARGUMENTS & extra.keys())
+        if reserved:
+            raise InvalidArgument(
+                f"Metadata.chat_template_kwargs: {reserved[0]!r} is an argument of "
+                "apply_chat_template, not a template variable"
             )
     if metadata.get("reasoning_effort"):
         extra = {"reasoning_effort": metadata["reasoning_effort"], **extra}

@@ -383,6 +383,9 @@ def test_penalties_and_filters_are_accepted(server):
         )
     )
     assert 0 < reply.tokens <= 10
+    # A top-k of the whole vocabulary or more filters nothing.
+    reply = server.stub.Predict(chat(Tokens=2, Temperature=0.7, TopK=2**31 - 1))
+    assert reply.tokens == 2
 
 
 def test_logit_bias_forces_a_token(server):

@@ -1,6 +1,7 @@
 """Unit tests for GGUF loading and the MLX helpers, on the real embedded model file."""
 
 import json
+import struct
 
 import mlx.core as mx
 import pytest
@@ -8,6 +9,7 @@ from mlx_lm.utils import load as load_mlx_folder
 
 from gguf_loader import (
     GGUFError,
+    check_gguf,
     export_mlx_folder,
     load_gguf,
     make_config,
@@ -44,6 +46,41 @@ def test_translate_name(name, expected):
 def test_translate_name_rejects_unknown_tensors():
     with pytest.raises(GGUFError, match="blk.0.attn_qkv.weight"):
         translate_name("blk.0.attn_qkv.weight")
+
+
+def test_check_gguf_accepts_the_real_file():
+    check_gguf(default_model_path())
+
+
+def corrupt_files() -> dict[str, bytes]:
+    real = default_model_path().read_bytes()
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)
+    return {
+        # mx.load crashed the process on this one: a key of 2**63 - 1 bytes.
+        "huge key": header + struct.pack("<Q", 2**63 - 1),
+        "huge string array": header
+        + struct.pack("<Q", 1)
+        + b"k"
+        + struct.pack("<IIQ", 9, 8, 2**62),
+        "unknown value type": header
+        + struct.pack("<Q", 1)
+        + b"k"
+        + struct.pack("<I", 99),
+        "too many tensors": b"GGUF" + struct.pack("<IQQ", 3, 2**40, 0),
+        "version 1": b"GGUF" + struct.pack("<IQQ", 1, 0, 0),
+        "not gguf": b"PK\x03\x04" + bytes(40),
+        "empty": b"",
+        "truncated header": real[:100_000],
+        "truncated weights": real[: len(real) // 2],
+    }
+
+
+@pytest.mark.parametrize("name", list(corrupt_files()))
+def test_check_gguf_refuses_corrupt_files(tmp_path, name):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(corrupt_files()[name])
+    with pytest.raises(GGUFError):
+        check_gguf(path)
 
 
 def test_make_config(gguf):

@@ -310,6 +310,16 @@ def test_parse_template_args():
         parse_template_args("", "", {"enable_thinking": "perhaps"}, None)
 
 
+@pytest.mark.parametrize(
+    "name", ["chat_template", "return_tensors", "tokenize", "messages", "tools"]
+)
+def test_chat_template_kwargs_cannot_set_apply_chat_template_arguments(name):
+    # A request's own template could loop without end; others change the result.
+    kwargs = json.dumps({name: "{% for i in range(10**9) %}{% endfor %}"})
+    with pytest.raises(InvalidArgument, match=f"'{name}' is an argument"):
+        parse_template_args("", "", {"chat_template_kwargs": kwargs}, None)
+
+
 class FakeTokenizer:
     bos_token = "<s>"
 
