@@ -71,6 +71,9 @@ from python_utils import (
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+# Status messages can quote a request's input; gRPC may refuse metadata over 8 KiB, and
+# percent-encodes each byte of a non-ASCII character (up to 12 bytes a character).
+MAX_STATUS_CHARS = 500
 SERVICE_NAME = backend_pb2.DESCRIPTOR.services_by_name["Backend"].full_name
 AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
 PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
@@ -103,6 +106,9 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception):
         code, message = grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
     else:
         message = str(error)
+    if len(message) > MAX_STATUS_CHARS:
+        # Past gRPC's metadata limit the client would see RESOURCE_EXHAUSTED instead.
+        message = message[: MAX_STATUS_CHARS - 3] + "..."
     await context.abort(code, message)
 
 

@@ -735,6 +735,10 @@ def test_the_default_model_answers_to_its_identity(server):
     error = error_of(server.stub.Predict, chat(Tokens=2, ModelIdentity="other"))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert error.details().startswith("model identity mismatch:")
+    # A message that quotes a huge field is cut, not turned into RESOURCE_EXHAUSTED.
+    error = error_of(server.stub.Predict, chat(ModelIdentity="🙂" * 6000))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details().endswith("...") and len(error.details()) == 500
 
 
 @pytest.fixture(scope="module")

@@ -346,10 +346,16 @@ def server(folders):
 
 
 def load(server, folders, name: str) -> None:
+    """Serve test model ``name`` with forced tokens; a load costs seconds, so the
+    model already loaded stays."""
+    if getattr(server, "test_model", None) == name:
+        return
+    server.test_model = None
     result = server.stub.LoadModel(
         pb.ModelOptions(Model=str(folders[name]), Options=["forced_tokens:true"])
     )
     assert result.success, result.message
+    server.test_model = name
 
 
 def weather_chat(tokenizer, reply: str | list[int], **fields) -> pb.PredictOptions:
@@ -541,9 +547,14 @@ def test_a_raw_prompt_with_tools_is_classified(server, folders, tokenizer):
     assert "".join(r.message.decode() for r in replies) == EXPECTED_REPLY[0]
     assert summary([d for r in replies for d in r.chat_deltas]) == EXPECTED_REPLY
     # ToolChoice none parses no calls: the markup stays text, the reasoning does not.
-    request = forced_prompt(tokenizer, RENDERED, REPLY, Tools=tools, ToolChoice="none")
-    content, reasoning, calls = summary(server.stub.Predict(request).chat_deltas)
-    assert "<tool_call>" in content and reasoning == THOUGHT + "\n" and not calls
+    text = f"<think>Hmm.</think><tool_call>\n{CALL_LYON}\n</tool_call>"
+    request = forced_prompt(tokenizer, RENDERED, text, Tools=tools, ToolChoice="none")
+    reply = server.stub.Predict(request)
+    assert summary(reply.chat_deltas) == (
+        f"<tool_call>\n{CALL_LYON}\n</tool_call>",
+        "Hmm.",
+        (),
+    )
 
 
 def test_a_raw_prompt_that_ends_inside_thinking_is_classified(
@@ -605,6 +616,7 @@ def test_model_metadata(server, folders):
         "</tool_call>",
     )
     assert (markers.reasoning_start, markers.reasoning_end) == ("<think>", "</think>")
+    server.test_model = None
     assert server.stub.LoadModel(pb.ModelOptions(Model="default")).success
     plain = server.stub.ModelMetadata(pb.ModelOptions())
     assert not plain.supports_thinking and plain.tool_format.format_type == ""
@@ -612,6 +624,7 @@ def test_model_metadata(server, folders):
 
 
 def test_forced_tokens_need_the_load_option(server, folders, tokenizer):
+    server.test_model = None
     assert server.stub.LoadModel(pb.ModelOptions(Model=str(folders["json"]))).success
     error = error_of(server.stub.Predict, weather_chat(tokenizer, "Hi"))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
