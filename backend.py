@@ -143,23 +143,26 @@ def _pick(requested, default, fallback):
     return fallback if default is None else default
 
 
+# The PredictOptions field of each checked sampling value.
+SAMPLING_FIELDS = {
+    "temperature": "Temperature",
+    "top_p": "TopP",
+    "min_p": "MinP",
+    "repetition_penalty": "Penalty",
+    "frequency_penalty": "FrequencyPenalty",
+    "presence_penalty": "PresencePenalty",
+}
+
+
 def parse_sampling(request, info: ModelInfo) -> SamplingParams:
     opts = info.options
-    fields = {
-        "temperature": "Temperature",
-        "top_p": "TopP",
-        "min_p": "MinP",
-        "repetition_penalty": "Penalty",
-        "frequency_penalty": "FrequencyPenalty",
-        "presence_penalty": "PresencePenalty",
-    }
     values = {
         name: _pick(
             check_sampling(field, name, getattr(request, field)),
             getattr(opts, name),
             0.0,
         )
-        for name, field in fields.items()
+        for name, field in SAMPLING_FIELDS.items()
     }
     if request.TopK < 0:
         raise InvalidArgument("TopK must not be negative")
