@@ -12,7 +12,7 @@ import logging
 import random
 import re
 from pathlib import Path
-from test import Server, error_of
+from test import Server, error_of, run_concurrently
 
 import grpc
 import pytest
@@ -433,16 +433,22 @@ def test_stream_carries_each_tokens_deltas(server, folders, tokenizer):
 def test_any_split_streams_what_predict_returns(server, folders, tokenizer):
     load(server, folders, "json")
     rng = random.Random(5)
+    requests = []
     for _ in range(3):
         cuts = sorted(rng.sample(range(1, len(REPLY)), 12))
         pieces = [REPLY[a:b] for a, b in zip([0] + cuts, cuts + [len(REPLY)])]
         tokens = [t for p in pieces for t in tokenizer.encode(p)]
-        request = weather_chat(tokenizer, tokens)
-        replies = list(server.stub.PredictStream(request))
+        requests.append(weather_chat(tokenizer, tokens))
+    # All six in one batch: classification is per request.
+    results = run_concurrently(
+        [lambda r=r: list(server.stub.PredictStream(r)) for r in requests]
+        + [lambda r=r: server.stub.Predict(r) for r in requests]
+    )
+    for replies, predicted in zip(results[:3], results[3:]):
         streamed = summary([d for r in replies for d in r.chat_deltas])
         assert streamed == EXPECTED_REPLY
         assert "".join(r.message.decode() for r in replies) == EXPECTED_REPLY[0]
-        assert summary(server.stub.Predict(request).chat_deltas) == streamed
+        assert summary(predicted.chat_deltas) == streamed
 
 
 def test_a_prompt_that_opens_thinking_streams_reasoning_first(
@@ -540,17 +546,21 @@ def test_a_raw_prompt_with_tools_is_classified(server, folders, tokenizer):
     load(server, folders, "json")
     tools = json.dumps([WEATHER_TOOL])
     request = forced_prompt(tokenizer, RENDERED, REPLY, Tools=tools)
-    reply = server.stub.Predict(request)
-    assert reply.message.decode() == EXPECTED_REPLY[0]
-    assert summary(reply.chat_deltas) == EXPECTED_REPLY
-    replies = list(server.stub.PredictStream(request))
-    assert "".join(r.message.decode() for r in replies) == EXPECTED_REPLY[0]
-    assert summary([d for r in replies for d in r.chat_deltas]) == EXPECTED_REPLY
     # ToolChoice none parses no calls: the markup stays text, the reasoning does not.
     text = f"<think>Hmm.</think><tool_call>\n{CALL_LYON}\n</tool_call>"
-    request = forced_prompt(tokenizer, RENDERED, text, Tools=tools, ToolChoice="none")
-    reply = server.stub.Predict(request)
-    assert summary(reply.chat_deltas) == (
+    unparsed = forced_prompt(tokenizer, RENDERED, text, Tools=tools, ToolChoice="none")
+    reply, replies, plain = run_concurrently(
+        [
+            lambda: server.stub.Predict(request),
+            lambda: list(server.stub.PredictStream(request)),
+            lambda: server.stub.Predict(unparsed),
+        ]
+    )
+    assert reply.message.decode() == EXPECTED_REPLY[0]
+    assert summary(reply.chat_deltas) == EXPECTED_REPLY
+    assert "".join(r.message.decode() for r in replies) == EXPECTED_REPLY[0]
+    assert summary([d for r in replies for d in r.chat_deltas]) == EXPECTED_REPLY
+    assert summary(plain.chat_deltas) == (
         f"<tool_call>\n{CALL_LYON}\n</tool_call>",
         "Hmm.",
         (),

@@ -110,7 +110,7 @@ TEXT = st.text(alphabet=" \nabcéPrisl.,日本🙂", max_size=24)
 
 
 @pytest.mark.parametrize("kind", ["bpe", "spm"])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(prompt=TEXT.filter(str.strip), reply=TEXT)
 def test_any_reply_streams_what_decoding_adds(tokenizers, kind, prompt, reply):
     tokenizer = tokenizers[kind]

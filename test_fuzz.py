@@ -706,7 +706,7 @@ def test_named_hostile_values(backend):
     )
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=30)
 @given(rpc=st.sampled_from(["Predict", "PredictStream"]), request=predict_options())
 def test_generation(backend, rpc, request):
     reply = call(backend, rpc, request)
