@@ -203,19 +203,13 @@ def parse_output(
 ) -> OutputOptions:
     """How the reply is classified, as the model marks it up: chat requests, and raw
     prompts (LocalAI's Go templates) that carry Tools or end inside thinking."""
-    tokenizer, markers = info.tokenizer, info.markers
-    if is_chat(request):
-        # A template that opens the assistant turn inside thinking ends the prompt there.
-        opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
-            prompt
-        ) > tokenizer.rfind_think_end(prompt)
-    else:
-        text = request.Prompt
-        opened = bool(markers.think_start) and text.rfind(
-            markers.think_start
-        ) > text.rfind(markers.think_end or markers.think_start)
-        if not args.tools and not opened:
-            return OutputOptions()  # a plain completion: raw text
+    tokenizer = info.tokenizer
+    # A prompt that opens the assistant turn inside thinking ends there.
+    opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
+        prompt
+    ) > tokenizer.rfind_think_end(prompt)
+    if not is_chat(request) and not args.tools and not opened:
+        return OutputOptions()  # a plain completion: raw text
     return OutputOptions(
         classify=True,
         reasoning_open=opened,

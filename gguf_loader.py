@@ -315,9 +315,10 @@ def check_gguf(path: str | Path) -> None:
                 if kind not in _TENSOR_BLOCKS:
                     raise GGUFError(f"tensor {name!r} has unsupported type {kind}")
                 values, block = _TENSOR_BLOCKS[kind]
-                if math.prod(shape) % values:
+                blocks, rest = divmod(math.prod(shape), values)
+                if rest:
                     raise GGUFError(f"tensor {name!r} is not whole blocks")
-                table.append((name, offset, math.prod(shape) // values * block))
+                table.append((name, offset, blocks * block))
             start = -(-walker.pos // alignment) * alignment
             for name, offset, size in table:
                 if start + offset + size > len(data):

@@ -5,7 +5,6 @@ per-request logits processors.
 (the text parses as a JSON object), or ``json`` for any JSON object.
 """
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -20,7 +19,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_utils import TokenBytes
-from python_utils import MAX_JSON_DEPTH, InvalidArgument, json_depth, nested_too_deeply
+from python_utils import InvalidArgument, load_json
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +34,9 @@ def to_llguidance(text: str) -> str:
     if source == "json":
         source = ANY_JSON_OBJECT
     try:
-        schema = json.loads(source)
+        schema = load_json("Grammar", source)
     except ValueError:
         schema = None
-    except RecursionError:
-        raise nested_too_deeply("Grammar") from None
-    if schema is not None and json_depth(schema) > MAX_JSON_DEPTH:
-        raise nested_too_deeply("Grammar")
     try:
         if schema is None:
             return llguidance.grammar_from("gbnf", source)

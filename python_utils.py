@@ -209,21 +209,29 @@ def parse_duration(text: str) -> float:
 MAX_JSON_DEPTH = 100
 
 
-def parse_json_field(field: str, text: str) -> Any:
-    """Decode a JSON request field, naming the field when it is malformed."""
+def load_json(field: str, text: str) -> Any:
+    """``json.loads`` that refuses nesting deeper than ``MAX_JSON_DEPTH``, naming
+    the field; malformed JSON raises ``json.JSONDecodeError`` as usual."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(f"{field}: malformed JSON: {e}") from None
     except RecursionError:
-        raise nested_too_deeply(field) from None
-    if json_depth(value) > MAX_JSON_DEPTH:
-        raise nested_too_deeply(field)
+        value = None
+        too_deep = True
+    else:
+        too_deep = json_depth(value) > MAX_JSON_DEPTH
+    if too_deep:
+        raise InvalidArgument(
+            f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        )
     return value
 
 
-def nested_too_deeply(field: str) -> InvalidArgument:
-    return InvalidArgument(f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+def parse_json_field(field: str, text: str) -> Any:
+    """Decode a JSON request field, naming the field when it is malformed."""
+    try:
+        return load_json(field, text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"{field}: malformed JSON: {e}") from None
 
 
 def json_depth(value: Any) -> int:

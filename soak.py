@@ -21,7 +21,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
@@ -29,7 +28,7 @@ import backend_pb2 as pb
 import backend_pb2_grpc
 from bench_batching import TOPICS, percentile
 
-from test import ANSWER, QUESTION, Server, chat  # isort: skip (test.py here)
+from test import ANSWER, QUESTION, Server, chat, rss_kib  # isort: skip (test.py here)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ class Soak:
     def sample_rss(self) -> None:
         while True:
             t = time.monotonic() - self.start
-            kb = read_rss(self.pid)
+            kb = rss_kib(self.pid)
             if kb is not None:
                 self.rss.append((t, kb))
             if len(self.rss) % 6 == 1:
@@ -146,17 +145,6 @@ class Soak:
                 )
             if kb is None or self.done.wait(RSS_INTERVAL):
                 return
-
-
-def read_rss(pid: int) -> int | None:
-    """VmRSS of the process in kB, or None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def report_calls(soak: Soak) -> list[str]:

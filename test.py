@@ -521,9 +521,19 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
         srv.stop()
 
 
+def rss_kib(pid: int) -> int | None:
+    """VmRSS of a process in KiB, or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def server_rss_mib(server) -> int:
-    status = Path(f"/proc/{server.process.pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) // 1024
+    return rss_kib(server.process.pid) // 1024
 
 
 def test_an_unread_stream_is_ended_and_the_others_go_on(server):
