@@ -58,8 +58,10 @@ $(STUBS): backend.proto $(VENV)/.installed
 run: install
 	./run.sh --addr $(ADDR) --model $(MODEL)
 
+# In-process engine tests run MLX inside pytest, on the fast BLAS the backend's
+# re-exec preloads (cpu_path.py prints that environment; nothing off Linux CPU).
 test: install $(VENV)/.test-installed
-	$(PY) -m pytest -v test_python_utils.py test_gguf_loader.py test_mlx_cache.py test_detokenizer.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py
+	env $$($(PY) cpu_path.py) $(PY) -m pytest -v test_python_utils.py test_units.py test_gguf_loader.py test_mlx_cache.py test_detokenizer.py test_engine.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py
 
 # Mixed concurrent load against a real backend for SOAK_MINUTES: errors, latency, RSS.
 soak: install $(VENV)/.test-installed
@@ -69,7 +71,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
-bench: install $(VENV)/.bench-installed
+bench: install $(VENV)/.test-installed $(VENV)/.bench-installed
 	$(PY) bench.py
 
 clean:

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import functools
 import hmac
-import importlib.metadata
 import inspect
 import json
 import logging
@@ -18,7 +17,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,45 +26,33 @@ from grpc_reflection.v1alpha import reflection
 
 import backend_pb2
 import backend_pb2_grpc
-from chat_output import Delta, OutputOptions, merge_deltas
-from engine import (
-    EmbeddingRequest,
-    Engine,
-    Finished,
-    GenerationRequest,
-    ModelInfo,
-    SamplingParams,
-    ScoreRequest,
-    TokenLogprob,
-)
-from python_utils import (
-    FAST_BLAS_ENV,
-    FAST_BLAS_INSTALL,
+from chat_output import Delta, merge_deltas
+from cpu_path import maybe_reexec_with_fast_blas
+from engine import Engine
+from errors import (
     Aborted,
     BackendError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    TemplateArgs,
     Unimplemented,
-    check_sampling,
-    convert_messages,
-    encode_prompt,
-    fast_blas_in_use,
-    find_fast_blas,
+)
+from model_loading import ModelInfo
+from python_utils import (
     parse_duration,
-    parse_forced_tokens,
-    parse_logit_bias,
-    parse_logprobs,
     parse_options,
-    parse_template_args,
-    parse_tool_choice,
-    parse_tools,
-    preload_environment,
-    render_chat,
     render_sample_chat,
     switched_off,
+)
+from reply_pipeline import Finished, TokenLogprob
+from request_parsing import (
+    GenerationRequest,
+    check_tokens,
+    parse_embedding,
+    parse_generation,
+    parse_prompt,
+    parse_score,
 )
 
 logger = logging.getLogger(__name__)
@@ -134,191 +121,6 @@ def grpc_errors(method):
             await _abort(context, e)
 
     return unary
-
-
-def _pick(requested, default, fallback):
-    """A request field overrides the LoadModel option; proto3's zero means unset."""
-    if requested:
-        return requested
-    return fallback if default is None else default
-
-
-# The PredictOptions field of each checked sampling value.
-SAMPLING_FIELDS = {
-    "temperature": "Temperature",
-    "top_p": "TopP",
-    "min_p": "MinP",
-    "repetition_penalty": "Penalty",
-    "frequency_penalty": "FrequencyPenalty",
-    "presence_penalty": "PresencePenalty",
-}
-
-
-def parse_sampling(request, info: ModelInfo) -> SamplingParams:
-    opts = info.options
-    values = {
-        name: _pick(
-            check_sampling(field, name, getattr(request, field)),
-            getattr(opts, name),
-            0.0,
-        )
-        for name, field in SAMPLING_FIELDS.items()
-    }
-    if request.TopK < 0:
-        raise InvalidArgument("TopK must not be negative")
-    top_k = _pick(request.TopK, opts.top_k, 0)
-    return SamplingParams(
-        **values,
-        # Keeping the whole vocabulary or more filters nothing.
-        top_k=top_k if top_k < info.vocab_size else 0,
-        repetition_context_size=opts.repetition_context_size,
-        seed=request.Seed if request.Seed >= 0 else None,
-        logit_bias=parse_logit_bias(request.LogitBias, info.vocab_size),
-    )
-
-
-def is_chat(request) -> bool:
-    return bool(request.UseTokenizerTemplate and request.Messages)
-
-
-def parse_prompt(request, info: ModelInfo) -> tuple[list[int], TemplateArgs]:
-    """Prompt token ids (the chat template over ``Messages``, or ``Prompt`` as given),
-    and the template arguments (of a raw prompt: only its tools)."""
-    if is_chat(request):
-        args = parse_template_args(
-            request.Tools,
-            request.ToolChoice,
-            dict(request.Metadata),
-            info.options.enable_thinking,
-        )
-        messages = convert_messages(request.Messages)
-        return render_chat(info.tokenizer, messages, args), args
-    # Malformed Tools is refused whatever the prompt.
-    tools = parse_tools(request.Tools)
-    return encode_prompt(info.tokenizer, request.Prompt), TemplateArgs(tools=tools)
-
-
-def parse_output(
-    request, info: ModelInfo, prompt: list[int], args: TemplateArgs
-) -> OutputOptions:
-    """How the reply is classified, as the model marks it up: chat requests, and raw
-    prompts (LocalAI's Go templates) that carry Tools or end inside thinking."""
-    tokenizer = info.tokenizer
-    # A prompt that opens the assistant turn inside thinking ends there.
-    opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
-        prompt
-    ) > tokenizer.rfind_think_end(prompt)
-    if not is_chat(request) and not args.tools and not opened:
-        return OutputOptions()  # a plain completion: raw text
-    return OutputOptions(
-        classify=True,
-        reasoning_open=opened,
-        parse_tool_calls=parse_tool_choice(request.ToolChoice) != "none",
-        tools=args.tools,
-    )
-
-
-def parse_forcing(request, info: ModelInfo) -> tuple[int, ...] | None:
-    text = request.Metadata.get("forced_tokens")
-    if text is None:
-        return None
-    if not info.options.forced_tokens:
-        raise FailedPrecondition(
-            "Metadata.forced_tokens needs the forced_tokens:true load option"
-        )
-    return parse_forced_tokens(text, info.vocab_size)
-
-
-def parse_generation(request, info: ModelInfo) -> GenerationRequest:
-    """Parse ``PredictOptions`` once into the engine's request type."""
-    sampling = parse_sampling(request, info)
-    forced = parse_forcing(request, info)
-    prompt, args = parse_prompt(request, info)
-    if not prompt:
-        raise InvalidArgument("Prompt: the prompt is empty (set Prompt or Messages)")
-    room = info.context_size - len(prompt)
-    if room <= 0:
-        raise InvalidArgument(
-            f"Prompt: the prompt has {len(prompt)} tokens, which does not fit the "
-            f"context size of {info.context_size} tokens"
-        )
-    limit = request.Tokens if request.Tokens > 0 else info.options.max_tokens
-    return GenerationRequest(
-        prompt=tuple(prompt),
-        max_tokens=min(limit or room, room),
-        sampling=sampling,
-        stop=tuple(s for s in request.StopPrompts if s),
-        ignore_eos=request.IgnoreEOS,
-        output=parse_output(request, info, prompt, args),
-        forced_tokens=forced,
-        logprobs=parse_logprobs(request.Logprobs, request.TopLogprobs),
-        grammar=info.grammars.compile(request.Grammar) if request.Grammar else None,
-        model_generation=info.generation,
-    )
-
-
-def _check_tokens(field: str, tokens: Iterable[int], info: ModelInfo) -> None:
-    for i, token in enumerate(tokens):
-        if not 0 <= token < info.vocab_size:
-            raise InvalidArgument(
-                f"{field}[{i}]: {token} is outside the vocabulary "
-                f"(0..{info.vocab_size - 1})"
-            )
-
-
-def _check_fits(field: str, length: int, info: ModelInfo) -> None:
-    if length > info.context_size:
-        raise InvalidArgument(
-            f"{field}: {length} tokens do not fit the context size of "
-            f"{info.context_size} tokens"
-        )
-
-
-def parse_embedding(request, info: ModelInfo) -> EmbeddingRequest:
-    """The tokens to embed: ``EmbeddingTokens`` as given, or ``Embeddings`` encoded."""
-    if not info.embeddings:
-        raise FailedPrecondition(
-            "Embedding: this model's architecture does not expose its hidden states"
-        )
-    if request.EmbeddingTokens:
-        tokens = list(request.EmbeddingTokens)
-        _check_tokens("EmbeddingTokens", tokens, info)
-        field = "EmbeddingTokens"
-    else:
-        # Checked before encoding: a tokenizer that adds BOS never gives nothing.
-        text = request.Embeddings
-        tokens = encode_prompt(info.tokenizer, text) if text else []
-        field = "Embeddings"
-    if not tokens:
-        raise InvalidArgument(
-            "Embeddings: the input is empty (set Embeddings or EmbeddingTokens)"
-        )
-    _check_fits(field, len(tokens), info)
-    return EmbeddingRequest(tokens=tuple(tokens), model_generation=info.generation)
-
-
-def parse_score(request, info: ModelInfo) -> ScoreRequest:
-    """The prompt's tokens, and each candidate's, encoded without special tokens."""
-    if not request.candidates:
-        raise InvalidArgument("candidates: the list is empty")
-    for i, candidate in enumerate(request.candidates):
-        if not candidate:
-            raise InvalidArgument(f"candidates[{i}]: the candidate is empty")
-    if not request.prompt:
-        raise InvalidArgument("prompt: the prompt is empty")
-    prompt = encode_prompt(info.tokenizer, request.prompt)
-    candidates = []
-    for i, candidate in enumerate(request.candidates):
-        tokens = info.tokenizer.encode(candidate, add_special_tokens=False)
-        if not tokens:
-            raise InvalidArgument(f"candidates[{i}]: the candidate has no tokens")
-        _check_fits(f"candidates[{i}]", len(prompt) + len(tokens), info)
-        candidates.append(tuple(tokens))
-    return ScoreRequest(
-        prompt=tuple(prompt),
-        candidates=tuple(candidates),
-        model_generation=info.generation,
-    )
 
 
 def _finite(logprob: float) -> float:
@@ -405,9 +207,13 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             )
         return info
 
+    def parse_generation(self, request, info: ModelInfo) -> GenerationRequest:
+        """``PredictOptions`` parsed once into the engine's request type."""
+        return parse_generation(request, info)
+
     async def _generate(self, request, context) -> AsyncIterator:
         info = self._model(request.ModelIdentity)
-        parsed = await asyncio.to_thread(parse_generation, request, info)
+        parsed = await asyncio.to_thread(self.parse_generation, request, info)
         stream = self.engine.submit(parsed, asyncio.get_running_loop())
         try:
             async for event in stream:
@@ -485,7 +291,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     @grpc_errors
     async def Detokenize(self, request, context):
         info = self._model()
-        _check_tokens("tokens", request.tokens, info)
+        check_tokens("tokens", request.tokens, info)
         text = await asyncio.to_thread(info.tokenizer.decode, list(request.tokens))
         return backend_pb2.DetokenizeResponse(content=text)
 
@@ -663,9 +469,14 @@ async def watch_parent(interval: float, stop: asyncio.Event) -> None:
             stop.set()
 
 
-async def serve(address: str, model: str | None, grace: float = 5.0) -> None:
+async def serve(
+    address: str,
+    model: str | None,
+    grace: float = 5.0,
+    servicer_class: type[BackendServicer] = BackendServicer,
+) -> None:
     engine = Engine()
-    servicer = BackendServicer(engine)
+    servicer = servicer_class(engine)
     server, port, health = create_server(
         servicer, address, os.environ.get(AUTH_TOKEN_ENV) or None
     )
@@ -696,56 +507,10 @@ async def serve(address: str, model: str | None, grace: float = 5.0) -> None:
     logger.info("stopped")
 
 
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def maybe_reexec_with_fast_blas() -> None:
-    """On Linux CPU, restart once with a fast BLAS preloaded in place of MLX's own.
-
-    MLX binds its BLAS at load time, so the choice has to be made before it
-    loads. ``MLX_BACKEND_FAST_BLAS`` picks it: ``auto`` (default: MKL, then
-    OpenBLAS), ``mkl``, ``openblas``, a library path, or ``off`` for the bundled
-    reference BLAS.
-    """
-    if sys.platform != "linux" or switched_off(os.environ, FAST_BLAS_ENV):
-        return
-    if fast_blas_in_use(os.environ):
-        return  # already restarted with it
-    if (
-        not _installed("mlx-cpu")
-        or _installed("mlx-cuda-12")
-        or _installed("mlx-cuda-13")
-    ):
-        return  # CUDA builds do their matmuls on the GPU
-    choice = os.environ.get(FAST_BLAS_ENV, "auto")
-    try:
-        library = find_fast_blas(choice)
-    except ValueError as e:
-        logger.warning("%s; using auto", e)
-        library = find_fast_blas()
-    if library is None:
-        logger.warning(
-            "no fast BLAS found for %s=%s: the CPU path stays slow. "
-            "For full speed: %s (or 'make install' as root)",
-            FAST_BLAS_ENV,
-            choice,
-            FAST_BLAS_INSTALL,
-        )
-        return
-    logger.info("restarting with %s preloaded for MLX's matmuls", library)
-    os.execve(
-        sys.executable,
-        [sys.executable, *sys.argv],
-        preload_environment(os.environ, library),
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(
+    argv: list[str] | None = None,
+    servicer_class: type[BackendServicer] = BackendServicer,
+) -> None:
     parser = argparse.ArgumentParser(description="LocalAI MLX backend (gRPC)")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT to bind")
     parser.add_argument(
@@ -766,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if argv is None:
         maybe_reexec_with_fast_blas()
-    asyncio.run(serve(args.addr, args.model))
+    asyncio.run(serve(args.addr, args.model, servicer_class=servicer_class))
 
 
 if __name__ == "__main__":

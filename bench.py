@@ -22,10 +22,7 @@ import argparse
 import json
 import logging
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,17 +30,21 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import grpc
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 import backend_pb2 as pb
-import backend_pb2_grpc
-from backend import maybe_reexec_with_fast_blas
 from bench_batching import bench_batching, percentile
+from conftest import Server
+from cpu_path import (
+    blas_choice_environment,
+    fast_blas_in_use,
+    find_fast_blas,
+    maybe_reexec_with_fast_blas,
+    prepare_for_cpu,
+)
 from gguf_loader import export_mlx_folder, load_gguf
-from mlx_utils import default_model_path, prepare_for_cpu
-from python_utils import blas_choice_environment, fast_blas_in_use, find_fast_blas
+from model_loading import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -66,30 +67,14 @@ STORY_SCHEMA = json.dumps(
 
 
 @contextmanager
-def running_server(folder: str, name: str, env: dict | None = None):
+def running_server(env: dict | None = None):
     """A backend process with the default model loaded; yields its stub."""
-    log_path = Path(folder) / f"{name}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, str(HERE / "backend.py"), "--addr", "127.0.0.1:0"]
-            + ["--model", "default"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=HERE,
-            env={**os.environ, **(env or {})},
-        )
+    server = Server("--model", "default", env=env)
     try:
-        deadline = time.monotonic() + 180
-        while "startup model" not in log_path.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"backend did not start:\n{log_path.read_text()}")
-            time.sleep(0.1)
-        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())
-        with grpc.insecure_channel(f"127.0.0.1:{port.group(1)}") as channel:
-            yield backend_pb2_grpc.BackendStub(channel)
+        server.wait_for_log("startup model", timeout=180)
+        yield server.stub
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(30)
+        server.stop()
 
 
 def chat_request(tokens: int, **fields) -> pb.PredictOptions:
@@ -378,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
 
     report, lines = {}, []
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
-        fast = stack.enter_context(running_server(folder, "fast"))
+        fast = stack.enter_context(running_server())
         if not args.only_batching:
             report["overhead"], part = bench_overhead(fast, args.rounds, args.tokens)
             lines += part
@@ -389,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
                 library = find_fast_blas(choice) if choice != "off" else None
                 if choice == "off" or library not in (None, fast_library):
                     env = blas_choice_environment(os.environ, choice)
-                    stubs[name] = stack.enter_context(running_server(folder, name, env))
+                    stubs[name] = stack.enter_context(running_server(env))
             stubs["fast"] = fast
             report["cpu_paths"], part = bench_cpu_paths(
                 stubs, args.cpu_rounds, args.tokens

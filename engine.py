@@ -2,73 +2,35 @@
 
 gRPC handlers never touch MLX. They parse a request into a ``GenerationRequest``,
 ``submit`` it and read events from the returned ``RequestStream``; control work
-(load, free) is sent to the same thread with ``call``. The thread loop reads as
-schedule (admit requests, run control work) -> step (one token for each active
-sequence) -> emit (events to the handlers' queues).
+(load, free) is sent to the same thread with ``call``. Each turn of the thread's
+loop takes the inbox's messages, sweeps cancelled streams, steps the decoder,
+emits each sequence's events and retires finished ones, runs a chunk of any
+Score or Embedding job, and publishes its state.
 """
 
 import asyncio
-import copy
-import dataclasses
 import gc
 import logging
-import math
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from chat_output import (
-    Delta,
-    OutputMarkers,
-    OutputOptions,
-    OutputParser,
-    make_output_markers,
-    merge_deltas,
-)
-from grammar import (
-    CompiledGrammar,
-    GrammarCompiler,
-    GrammarState,
-    make_grammar_processor,
-)
+from cpu_path import physical_memory
+from decoders import Decoder, KVState, NewSequence, StepResult, make_decoder
+from errors import Aborted, BackendError, FailedPrecondition, ResourceExhausted
 from mlx_cache import ThreadSafeLRUPromptCache
-from mlx_utils import (
-    ComputePath,
-    ContinuationDetokenizer,
-    EmbeddingBatch,
-    LoadedModel,
-    ScoreBatch,
-    TokenBytes,
-    gather_logprobs,
-    hidden_state_model,
-    load_model,
-    make_forcing_processor,
-    make_kv_cache,
-    make_processors,
-    make_seeded_sampler,
-    make_token_bytes,
-    memory_snapshot,
-    pace_step,
-    physical_memory,
-    prepare_for_cpu,
-    release_memory,
-    see_cached_prompt,
-    unbatchable_reason,
-)
-from python_utils import (
-    Aborted,
-    FailedPrecondition,
-    InvalidArgument,
-    LoadOptions,
-    ResourceExhausted,
-)
+from mlx_utils import make_kv_cache, memory_snapshot, release_memory
+from model_loading import LoadedModel, ModelInfo, load_model, prepare_model
+from python_utils import LoadOptions
+from reply_pipeline import Finished, Output, ReplyPipeline
+from request_parsing import GenerationRequest
+from sampling import make_request_processors, make_request_sampler
+from score_embedding import EmbeddingRequest, JobQueue, ScoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,82 +41,6 @@ PROMPT_CACHE_MEMORY_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_context_size: int = 64
-    seed: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One parsed generation request, ready for the engine thread."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    output: OutputOptions = OutputOptions()
-    # Testing aid: generate exactly these tokens (the forced_tokens load option).
-    forced_tokens: tuple[int, ...] | None = None
-    # Logprobs with this many alternatives per token; None: no logprobs.
-    logprobs: int | None = None
-    grammar: CompiledGrammar | None = None
-    # The load the prompt was tokenized for; a request for a replaced model is refused.
-    model_generation: int = 0
-
-
-@dataclass(frozen=True)
-class EmbeddingRequest:
-    tokens: tuple[int, ...]
-    model_generation: int = 0
-
-
-@dataclass(frozen=True)
-class ScoreRequest:
-    prompt: tuple[int, ...]
-    candidates: tuple[tuple[int, ...], ...]
-    model_generation: int = 0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token: its bytes, logprob and the best alternatives."""
-
-    token: bytes
-    logprob: float
-    top: tuple[tuple[bytes, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class Output:
-    """Streamed text, with the logprobs of the tokens it completes."""
-
-    delta: Delta
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The last event of a generation; ``delta`` is what was not yet streamed."""
-
-    delta: Delta
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_seconds: float
-    generation_seconds: float
-    finish_reason: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
 class RequestMetrics:
     """What GetMetrics reports of the most recently finished request."""
 
@@ -162,25 +48,6 @@ class RequestMetrics:
     tokens_per_second: float = 0.0
     prompt_tokens_processed: int = 0
     slot_id: int = 0
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What handlers may read about the loaded model (no MLX objects but the tokenizer)."""
-
-    name: str
-    source: str
-    tokenizer: object
-    context_size: int
-    vocab_size: int
-    options: LoadOptions
-    generation: int
-    compute_path: ComputePath = ComputePath("")
-    markers: OutputMarkers = OutputMarkers()
-    token_bytes: TokenBytes = TokenBytes(())
-    # Whether the model's final hidden states can be read (for Embedding).
-    embeddings: bool = False
-    grammars: GrammarCompiler | None = None
 
 
 @dataclass(frozen=True)
@@ -260,209 +127,42 @@ class RequestStream:
                 return
 
 
-@dataclass
-class _Job:
-    """Embedding or Score work: ``start()`` makes it, ``work.advance()`` runs a
-    chunk (True when done), ``finish(work)`` answers the futures."""
-
-    futures: list[Future]
-    start: Callable
-    finish: Callable
-    work: object = None
+# Inbox messages, from any thread to the engine thread.
+@dataclass(frozen=True)
+class Submit:
+    request: GenerationRequest
+    stream: RequestStream
 
 
-class _Cancelled(Exception):
-    """Raised from the prefill progress callback to stop a cancelled prompt."""
+@dataclass(frozen=True)
+class Compute:
+    request: EmbeddingRequest | ScoreRequest
+    future: Future
 
 
+@dataclass(frozen=True)
+class Call:
+    fn: Callable
+    args: tuple
+    future: Future
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(eq=False)
 class _Sequence:
-    """One request on the engine thread: generated tokens in, classified text out.
+    """One request being generated: its decoder key, stream and reply pipeline."""
 
-    A batched sequence is a row of the engine's ``BatchGenerator`` (``uid``); a
-    sequence that cannot be batched runs its own mlx-lm ``generate_step``.
-    """
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        stream: RequestStream,
-        info: ModelInfo,
-        reused: int,
-        slot: int,
-    ):
-        tokenizer = info.tokenizer
-        self.request = request
-        self.stream = stream
-        self.reused = reused
-        self.slot = slot
-        self.token_bytes = info.token_bytes
-        # Logprob entries of tokens whose text has not gone out yet.
-        self.logprobs: list[TokenLogprob] = []
-        self.grammar: GrammarState | None = None
-        self.eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
-        self.detokenizer = ContinuationDetokenizer(tokenizer, request.prompt)
-        self.output = OutputParser(info.markers, request.stop, request.output)
-        self.generated = 0
-        self.started = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.metrics: RequestMetrics | None = None
-        self.uid: int | None = None
-        # The single path: its generate_step, KV cache, and every token the model
-        # has been given a step for, prompt first.
-        self.tokens = None
-        self.kv_cache: list | None = None
-        self.fed: list[int] = []
-
-    def start_single(self, model, kv_cache, rest, sampler, processors, step_size):
-        self.kv_cache = kv_cache
-        self.fed = list(self.request.prompt)
-        self.tokens = generate_step(
-            mx.array(rest),
-            model,
-            max_tokens=self.request.max_tokens,
-            sampler=sampler,
-            logits_processors=see_cached_prompt(
-                processors,
-                self.request.prompt[: self.reused],
-                self.request.sampling.repetition_context_size,
-            ),
-            prefill_step_size=step_size,
-            prompt_cache=kv_cache,
-            prompt_progress_callback=self._check_cancelled,
-        )
-
-    def _check_cancelled(self, processed: int, total: int) -> None:
-        # Called between prefill chunks, so a long prompt stops within one chunk.
-        if self.stream.cancelled:
-            raise _Cancelled()
-
-    def advance(self) -> bool:
-        """Single path: generate one token and emit it; True when done."""
-        try:
-            token, logprobs = next(self.tokens)
-        except StopIteration:
-            return self.finish("length")
-        # generate_step runs the step for a token before yielding it.
-        self.fed.append(token)
-        top = self.request.logprobs
-        scored = None if top is None else gather_logprobs([logprobs], [token], top)[0]
-        return self.emit(token, scored)
-
-    def emit(self, token: int, scored: tuple | None = None) -> bool:
-        """Emit one generated token's text; True when the sequence is done.
-
-        ``scored`` is the token's logprob and its best alternatives, when asked for.
-        """
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        if self.grammar is not None and self.grammar.error is not None:
-            self.stream.put(
-                InvalidArgument(
-                    f"Grammar: generation stopped after {self.generated} tokens: "
-                    f"{self.grammar.error}"
-                )
-            )
-            return True
-        if token in self.eos:
-            return self.finish("stop")
-        if self.grammar is not None and self.grammar.ends_before(self.generated):
-            # The grammar is complete; its end-of-sequence ends even an IgnoreEOS reply.
-            return self.finish("stop")
-        self.generated += 1
-        if scored is not None:
-            self.logprobs.append(self._logprob_entry(token, *scored))
-        self.detokenizer.add_token(token)
-        if self.generated >= self.request.max_tokens:
-            return self.finish("length")
-        delta, stopped = self.output.feed(self.detokenizer.last_segment)
-        if stopped:
-            return self.finish("stop", delta)
-        if delta:
-            self.stream.put(Output(delta, self._take_logprobs()))
-        return False
-
-    def _logprob_entry(self, token: int, logprob: float, top: list) -> TokenLogprob:
-        text = self.token_bytes.of(token)
-        alternatives = tuple((self.token_bytes.of(t), value) for t, value in top)
-        return TokenLogprob(text, logprob, alternatives)
-
-    def _take_logprobs(self) -> tuple[TokenLogprob, ...]:
-        entries = tuple(self.logprobs)
-        self.logprobs.clear()
-        return entries
-
-    def finish(self, reason: str, delta: Delta | None = None) -> bool:
-        if delta is None:
-            # Flush what the detokenizer still holds.
-            self.detokenizer.finalize()
-            delta, stopped = self.output.feed(self.detokenizer.last_segment)
-            if stopped:
-                reason = "stop"
-        # Then what the parser holds back: unfinished markers, an open tool call.
-        delta = merge_deltas((delta, self.output.finish()))
-        now = time.perf_counter()
-        first = self.first_token_at or now
-        self.metrics = RequestMetrics(
-            tokens_generated=self.generated,
-            tokens_per_second=self.generated / (now - first) if now > first else 0.0,
-            prompt_tokens_processed=len(self.request.prompt) - self.reused,
-            slot_id=self.slot,
-        )
-        self.stream.put(
-            Finished(
-                delta=delta,
-                prompt_tokens=len(self.request.prompt),
-                completion_tokens=self.generated,
-                prompt_seconds=first - self.started,
-                generation_seconds=now - first,
-                finish_reason=reason,
-                logprobs=self._take_logprobs(),
-            )
-        )
-        return True
-
-    def close_single(self, failed: bool) -> tuple[list, list[int]] | None:
-        """End the single path's generator; its KV cache and tokens, if sound."""
-        self.tokens.close()
-        if failed:
-            try:
-                # A failed step can leave arrays that fail again when evaluated.
-                mx.eval([layer.state for layer in self.kv_cache])
-            except Exception:
-                logger.warning("not caching the KV state of a failed generation")
-                return None
-        return self.kv_cache, self.fed
-
-
-def make_request_processors(
-    request: GenerationRequest, tokenizer, vocab_size: int
-) -> tuple[list, GrammarState | None]:
-    """The request's logits processors: bias (and banned EOS), penalties, the
-    grammar, forcing; and the grammar's state."""
-    sampling = request.sampling
-    logit_bias = sampling.logit_bias
-    if request.ignore_eos:
-        # As llama.cpp does: never sample EOS, rather than sampling past it.
-        logit_bias = {**logit_bias, **{t: -math.inf for t in tokenizer.eos_token_ids}}
-    processors = make_processors(
-        logit_bias,
-        sampling.repetition_penalty,
-        sampling.frequency_penalty,
-        sampling.presence_penalty,
-        sampling.repetition_context_size,
-    )
-    grammar = None
-    if request.grammar is not None:
-        # After the ban, so a finished grammar's end-of-sequence overrides it.
-        grammar, processor = make_grammar_processor(
-            request.grammar, tokenizer.eos_token_ids, vocab_size
-        )
-        processors.append(processor)
-    if request.forced_tokens is not None:
-        # Last: a forced token is generated even where the grammar forbids it.
-        eos = min(tokenizer.eos_token_ids)
-        processors.append(make_forcing_processor(request.forced_tokens, eos))
-    return processors, grammar
+    key: int
+    request: GenerationRequest
+    stream: RequestStream
+    reply: ReplyPipeline
+    # Prompt tokens served from the prompt cache, and the slot number it holds.
+    reused: int
+    slot: int
 
 
 class Engine:
@@ -471,14 +171,9 @@ class Engine:
     def __init__(self):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox = _Outbox()
-        self._active: list[_Sequence] = []
-        # Batched sequences by BatchGenerator uid; None when the model can't batch.
-        self._batch: BatchGenerator | None = None
-        self._batched: dict[int, _Sequence] = {}
-        self._stream: mx.Stream | None = None
-        # Embedding and Score requests waiting, and the job running one chunk per step.
-        self._side: list[tuple[EmbeddingRequest | ScoreRequest, Future]] = []
-        self._job: _Job | None = None
+        self._sequences: dict[int, _Sequence] = {}
+        self._decoder: Decoder | None = None
+        self._jobs = JobQueue(self._fetch_cache, self._save_cache)
         self._loaded: LoadedModel | None = None
         self._generation = 0
         self._steps = 0
@@ -491,9 +186,6 @@ class Engine:
         # Prompt tokens served from the prompt cache, and those prefilled.
         self._reused_tokens = 0
         self._prefilled_tokens = 0
-        # Batched decode steps and the tokens they made (tokens/steps: batch size).
-        self._batch_steps = 0
-        self._batch_tokens = 0
         self._thread = threading.Thread(
             target=self._run, name="mlx-engine", daemon=True
         )
@@ -504,7 +196,7 @@ class Engine:
     def submit(self, request: GenerationRequest, loop) -> RequestStream:
         self._check_open()
         stream = RequestStream(loop, self._outbox)
-        self._inbox.put((request, stream))
+        self._inbox.put(Submit(request, stream))
         return stream
 
     def compute(self, request: EmbeddingRequest | ScoreRequest) -> Future:
@@ -512,14 +204,14 @@ class Engine:
         candidate, computed a chunk at a time between decode steps."""
         self._check_open()
         future: Future = Future()
-        self._inbox.put((request, future))
+        self._inbox.put(Compute(request, future))
         return future
 
     def call(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the engine thread between steps."""
         self._check_open()
         future: Future = Future()
-        self._inbox.put((fn, args, future))
+        self._inbox.put(Call(fn, args, future))
         return future
 
     def _check_open(self) -> None:
@@ -545,7 +237,7 @@ class Engine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._closed = True
-        self._inbox.put(None)
+        self._inbox.put(Stop())
         self._thread.join(timeout)
 
     # -- engine thread ------------------------------------------------------
@@ -567,7 +259,7 @@ class Engine:
             self._outbox.flush()
         self._closed = True
         try:
-            self._abort_all("the backend is shutting down", rebuild=False)
+            self._abort_all("the backend is shutting down", keep_decoder=False)
         finally:
             self._drain_inbox()
             self._outbox.flush()
@@ -576,38 +268,107 @@ class Engine:
         """Answer whatever was queued behind the stop request."""
         while True:
             try:
-                item = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is None:
-                continue
-            if isinstance(item[0], GenerationRequest):
-                item[1].put(Aborted("the backend is shutting down"))
-            elif item[-1].set_running_or_notify_cancel():
-                item[-1].set_exception(Aborted("the backend is shutting down"))
+            match message:
+                case Submit(stream=stream):
+                    stream.put(Aborted("the backend is shutting down"))
+                case Compute(future=future) | Call(future=future):
+                    if future.set_running_or_notify_cancel():
+                        future.set_exception(Aborted("the backend is shutting down"))
 
     def _busy(self) -> bool:
-        return bool(self._active or self._side or self._job)
+        return bool(self._sequences or self._jobs)
 
     def _schedule(self) -> bool:
-        """Admit new work; block while idle. False when asked to stop."""
+        """Take the inbox's messages; block while idle. False when asked to stop."""
         while True:
             busy = self._busy()
             if not busy:
                 self._outbox.flush()  # before waiting for work
             try:
-                item = self._inbox.get(block=not busy)
+                message = self._inbox.get(block=not busy)
             except queue.Empty:
                 return True
-            if item is None:
-                return False
-            if isinstance(item[0], GenerationRequest):
-                self._admit(*item)
-            elif isinstance(item[0], (EmbeddingRequest, ScoreRequest)):
-                self._queue_side(*item)
-            else:
-                self._run_call(*item)
+            match message:
+                case Stop():
+                    return False
+                case Submit(request, stream):
+                    self._admit(request, stream)
+                case Compute(request, future):
+                    self._queue_job(request, future)
+                case Call(fn, args, future):
+                    self._run_call(fn, args, future)
             self._publish()
+
+    def _step(self) -> None:
+        self._sweep()
+        if self._sequences:
+            self._emit(self._decoder.step())
+        if self._jobs:
+            self._jobs.step(self._loaded.model, self.info.options, self._publish)
+        self._steps += 1
+        if self._steps % STATS_INTERVAL == 0:
+            self._publish()
+
+    def _sweep(self) -> None:
+        """Retire the sequences whose handler is gone or whose client stopped reading."""
+        limit = self.info.options.max_stream_backlog
+        for seq in list(self._sequences.values()):
+            if seq.stream.cancelled:
+                self._cancel(seq)
+            elif seq.stream.backlog > limit:
+                # A client that stops reading must not make the server buffer its
+                # whole reply; the other streams go on.
+                logger.warning(
+                    "ending a stream after %d tokens: its client left %d replies unread",
+                    seq.reply.generated,
+                    seq.stream.backlog,
+                )
+                seq.stream.put(
+                    ResourceExhausted(
+                        f"PredictStream: the client left {seq.stream.backlog} replies "
+                        f"unread (max_stream_backlog is {limit}); the stream was ended"
+                    )
+                )
+                self._retire(seq)
+
+    def _cancel(self, seq: _Sequence, state: KVState | None = None) -> None:
+        if seq.reply.first_token_at is None:
+            logger.info("generation cancelled during prefill")
+        else:
+            logger.info("generation cancelled after %d tokens", seq.reply.generated)
+        self._retire(seq, state)
+
+    def _emit(self, results: list[StepResult]) -> None:
+        """Each sequence's tokens through its reply pipeline to its stream."""
+        for result in results:
+            seq = self._sequences.get(result.key)
+            if seq is None:
+                continue
+            if result.error is not None:
+                seq.stream.put(result.error)
+                self._retire(seq, result.state)
+                continue
+            if seq.stream.cancelled:  # during the step
+                self._cancel(seq, result.state)
+                continue
+            try:
+                for token, scored in zip(result.tokens, result.logprobs):
+                    event = seq.reply.add(token, scored)
+                    if event is not None:
+                        seq.stream.put(event)
+                    if seq.reply.finished:
+                        break
+                if result.done and not seq.reply.finished:
+                    seq.stream.put(seq.reply.finish("length"))
+            except BackendError as e:
+                seq.stream.put(e)
+                self._retire(seq, result.state)
+                continue
+            if seq.reply.finished:
+                self._retire(seq, result.state)
 
     def _admit(self, request: GenerationRequest, stream: RequestStream) -> None:
         if stream.cancelled:
@@ -619,24 +380,78 @@ class Engine:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
         try:
-            seq = self._start(request, stream, self._free_slot())
+            seq = self._start(request, stream)
         except Exception as e:
             logger.exception("could not start a generation")
             stream.put(e)
             return
-        self._active.append(seq)
-        self._reused_tokens += seq.reused
-        self._prefilled_tokens += len(request.prompt) - seq.reused
+        self._sequences[seq.key] = seq
         logger.info(
             "prompt: %d tokens, %d from the prompt cache",
             len(request.prompt),
             seq.reused,
         )
 
+    def _start(self, request: GenerationRequest, stream: RequestStream) -> _Sequence:
+        info = self.info
+        capabilities = self._decoder.capabilities
+        if request.logprobs is not None and not capabilities.logprobs:
+            raise FailedPrecondition(
+                "Logprobs: this model's decoder cannot report them"
+            )
+        if request.grammar is not None and not capabilities.grammar:
+            raise FailedPrecondition("Grammar: this model's decoder cannot apply one")
+        processors, grammar = make_request_processors(
+            request, info.tokenizer.eos_token_ids, info.vocab_size
+        )
+        reply = ReplyPipeline(
+            request, info.tokenizer, info.markers, info.token_bytes, grammar
+        )
+        kv_cache, rest = self._fetch_cache(request.prompt)
+        key = self._decoder.add(
+            NewSequence(
+                prompt=request.prompt,
+                rest=rest,
+                kv_cache=kv_cache,
+                sampler=make_request_sampler(request),
+                processors=processors,
+                max_tokens=request.max_tokens,
+                logprobs=request.logprobs,
+                history=request.sampling.repetition_context_size,
+                cancelled=lambda: stream.cancelled,
+            )
+        )
+        reused = len(request.prompt) - len(rest)
+        return _Sequence(key, request, stream, reply, reused, self._free_slot())
+
     def _free_slot(self) -> int:
         """The lowest slot number no running sequence holds (as llama.cpp numbers them)."""
-        taken = {seq.slot for seq in self._active}
+        taken = {seq.slot for seq in self._sequences.values()}
         return next(slot for slot in range(len(taken) + 1) if slot not in taken)
+
+    def _retire(self, seq: _Sequence, state: KVState | None = None) -> None:
+        """Drop a sequence; its KV state goes to the prompt cache."""
+        kept = self._decoder.remove(seq.key)
+        state = state or kept
+        del self._sequences[seq.key]
+        if state is not None:
+            self._save_cache(seq.request.model_generation, state.cache, state.tokens)
+        final = seq.reply.finished
+        if final is not None:
+            self.last_metrics = RequestMetrics(
+                tokens_generated=final.completion_tokens,
+                tokens_per_second=(
+                    final.completion_tokens / final.generation_seconds
+                    if final.generation_seconds > 0
+                    else 0.0
+                ),
+                prompt_tokens_processed=len(seq.request.prompt) - seq.reused,
+                slot_id=seq.slot,
+            )
+        if not self._sequences:
+            self._publish()
+
+    # -- the prompt cache ---------------------------------------------------
 
     def _fetch_cache(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
         """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
@@ -647,56 +462,40 @@ class Engine:
             # An exact hit still runs the last prompt token, for the next logits.
             if can_trim_prompt_cache(kv_cache):
                 trim_prompt_cache(kv_cache, 1)
-                return kv_cache, prompt[-1:]
-            kv_cache = None
+                rest = prompt[-1:]
+            else:
+                kv_cache = None
         if kv_cache is None:
-            return (
-                make_kv_cache(self._loaded.model, self.info.options.max_kv_size),
-                prompt,
-            )
-        return kv_cache, rest
+            kv_cache = make_kv_cache(self._loaded.model, self.info.options.max_kv_size)
+            rest = prompt
+        self._reused_tokens += len(prompt) - len(rest)
+        self._prefilled_tokens += len(rest)
+        return kv_cache, tuple(rest)
 
-    def _start(
-        self, request: GenerationRequest, stream: RequestStream, slot: int
-    ) -> _Sequence:
-        tokenizer = self._loaded.tokenizer
-        kv_cache, rest = self._fetch_cache(request.prompt)
-        reused = len(request.prompt) - len(rest)
-        seq = _Sequence(request, stream, self.info, reused, slot)
-        sampling = request.sampling
-        sampler = make_seeded_sampler(
-            sampling.temperature,
-            sampling.top_p,
-            sampling.min_p,
-            sampling.top_k,
-            sampling.seed,
-        )
-        processors, seq.grammar = make_request_processors(
-            request, tokenizer, self.info.vocab_size
-        )
-        if self._batch is None:
-            seq.start_single(
-                self._loaded.model,
-                kv_cache,
-                rest,
-                sampler,
-                processors,
-                self.info.options.prefill_step_size,
+    def _save_cache(self, generation: int, kv_cache: list, tokens) -> None:
+        """Keep a KV cache for the next request to reuse."""
+        # Cancelled prefill keeps whole chunks, so the offset can fall short.
+        length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
+        if length > 1:
+            # Evaluated now: a lazy slice would pin the whole batch's KV buffers.
+            mx.eval([layer.state for layer in kv_cache])
+            self._prompt_cache.insert_cache(generation, list(tokens[:length]), kv_cache)
+
+    # -- embeddings, scores and control work --------------------------------
+
+    def _queue_job(self, request: EmbeddingRequest | ScoreRequest, future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        if self._loaded is None:
+            future.set_exception(
+                FailedPrecondition("no model is loaded: call LoadModel first")
             )
-            return seq
-        if mx.default_device() == mx.cpu:
-            processors.insert(0, pace_step)
-        # EOS, stop strings and the token limit are checked by _Sequence.emit.
-        (seq.uid,) = self._batch.insert(
-            [list(rest)],
-            max_tokens=[request.max_tokens],
-            caches=[kv_cache],
-            all_tokens=[list(request.prompt[:reused])],
-            samplers=[sampler],
-            logits_processors=[processors],
-        )
-        self._batched[seq.uid] = seq
-        return seq
+        elif request.model_generation != self._generation:
+            future.set_exception(
+                Aborted("the model was replaced while the request was queued")
+            )
+        else:
+            self._jobs.add(request, future)
 
     def _run_call(self, fn, args, future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -711,267 +510,46 @@ class Engine:
             self._publish()
             future.set_result(result)
 
-    def _step(self) -> None:
-        limit = self.info.options.max_stream_backlog
-        for seq in list(self._active):
-            if seq.stream.cancelled:
-                if seq.first_token_at is None:
-                    logger.info("generation cancelled during prefill")
-                else:
-                    logger.info("generation cancelled after %d tokens", seq.generated)
-                self._retire(seq)
-            elif seq.stream.backlog > limit:
-                # A client that stops reading must not make the server buffer its
-                # whole reply; the other streams go on.
-                logger.warning(
-                    "ending a stream after %d tokens: its client left %d replies unread",
-                    seq.generated,
-                    seq.stream.backlog,
-                )
-                seq.stream.put(
-                    ResourceExhausted(
-                        f"PredictStream: the client left {seq.stream.backlog} replies "
-                        f"unread (max_stream_backlog is {limit}); the stream was ended"
-                    )
-                )
-                self._retire(seq)
-        if self._batched:
-            self._step_batch()
-        if self._side or self._job:
-            self._step_side()
-        for seq in [s for s in self._active if s.uid is None]:
-            try:
-                done = seq.advance()
-            except _Cancelled:
-                logger.info("generation cancelled during prefill")
-                done = True
-            except Exception as e:
-                logger.exception("generation failed")
-                # Without its traceback the error holds no MLX arrays on the loop thread.
-                seq.stream.put(e.with_traceback(None))
-                self._retire(seq, failed=True)
-                continue
-            if done:
-                self._retire(seq)
-        self._steps += 1
-        if self._steps % STATS_INTERVAL == 0:
-            self._publish()
-
-    def _step_batch(self) -> None:
-        """One decode step for every batched sequence, and one prefill chunk."""
-        try:
-            _, responses = self._batch.next()
-        except Exception as e:
-            logger.exception("batched generation failed")
-            error = e.with_traceback(None)
-            for seq in self._batched.values():
-                # Each handler raises its own copy, with its own traceback.
-                seq.stream.put(copy.copy(error))
-                self._active.remove(seq)
-            self._reset_batch(rebuild=True)
-            return
-        if responses:
-            self._batch_steps += 1
-            self._batch_tokens += len(responses)
-        scored = self._score_responses(responses)
-        for response in responses:
-            seq = self._batched.get(response.uid)
-            if seq is None:
-                continue
-            done = seq.emit(response.token, scored.get(response.uid))
-            if response.finish_reason is None:
-                if done:
-                    self._retire(seq)
-                continue
-            if not done:
-                seq.finish("length")
-            # The row already left the batch, with its KV cache.
-            self._retire(seq, state=(response.prompt_cache, response.all_tokens))
-
-    def _score_responses(self, responses) -> dict[int, tuple]:
-        """Logprob entries of the step's tokens, for the rows that asked for them."""
-        wanted = [
-            (r, seq.request.logprobs)
-            for r in responses
-            if (seq := self._batched.get(r.uid)) and seq.request.logprobs is not None
-        ]
-        if not wanted:
-            return {}
-        top = max(n for _, n in wanted)
-        values = gather_logprobs(
-            [r.logprobs for r, _ in wanted], [r.token for r, _ in wanted], top
-        )
-        return {
-            r.uid: (logprob, best[:n])
-            for (r, n), (logprob, best) in zip(wanted, values)
-        }
-
-    # -- embeddings and scores ----------------------------------------------
-
-    def _queue_side(self, request: EmbeddingRequest | ScoreRequest, future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        if self._loaded is None:
-            future.set_exception(
-                FailedPrecondition("no model is loaded: call LoadModel first")
-            )
-        elif request.model_generation != self._generation:
-            future.set_exception(
-                Aborted("the model was replaced while the request was queued")
-            )
-        else:
-            self._side.append((request, future))
-
-    def _step_side(self) -> None:
-        """One chunk of the running embedding or score job; else the next job."""
-        if self._job is None:
-            self._job = self._next_job()
-        job = self._job
-        try:
-            if job.work is None:
-                job.work = job.start()
-            if job.work.advance():
-                self._job = None
-                self._publish()  # before the caller can ask Status
-                job.finish(job.work)
-        except Exception as e:
-            logger.exception("embedding or scoring failed")
-            self._job = None
-            error = e.with_traceback(None)
-            for future in job.futures:
-                if not future.done():
-                    future.set_exception(copy.copy(error))
-
-    def _next_job(self) -> _Job:
-        """The first waiting Score, or every waiting embedding up to a batch."""
-        options = self.info.options
-        request, future = self._side[0]
-        if isinstance(request, ScoreRequest):
-            del self._side[0]
-
-            def start() -> ScoreBatch:
-                kv_cache, rest = self._fetch_cache(request.prompt)
-                self._reused_tokens += len(request.prompt) - len(rest)
-                self._prefilled_tokens += len(rest)
-                return ScoreBatch(
-                    self._loaded.model,
-                    kv_cache,
-                    rest,
-                    request.candidates,
-                    options.prefill_step_size,
-                    options.max_batch_size,
-                )
-
-            def finish(work: ScoreBatch) -> None:
-                self._save_cache(request, work.cache, request.prompt)
-                future.set_result(work.scores)
-
-            return _Job([future], start, finish)
-        embeddings = [
-            item for item in self._side if isinstance(item[0], EmbeddingRequest)
-        ][: options.max_batch_size]
-        self._side = [item for item in self._side if item not in embeddings]
-        futures = [future for _, future in embeddings]
-
-        def start() -> EmbeddingBatch:
-            return EmbeddingBatch(
-                self._loaded.model,
-                [request.tokens for request, _ in embeddings],
-                options.embedding_pooling,
-                options.prefill_step_size,
-            )
-
-        def finish(work: EmbeddingBatch) -> None:
-            for future, vector in zip(futures, work.vectors()):
-                future.set_result(vector)
-
-        return _Job(futures, start, finish)
-
-    def _retire(
-        self,
-        seq: _Sequence,
-        failed: bool = False,
-        save_cache: bool = True,
-        state: tuple | None = None,
-    ) -> None:
-        """Drop a sequence; its KV cache goes to the prompt cache unless aborted."""
-        if seq.uid is not None:
-            del self._batched[seq.uid]
-            if state is None:
-                removed = self._batch.remove([seq.uid], return_prompt_caches=save_cache)
-                state = removed.get(seq.uid)
-        else:
-            state = seq.close_single(failed)
-        self._active.remove(seq)
-        if save_cache and state is not None:
-            self._save_cache(seq.request, *state)
-        if seq.metrics is not None:
-            self.last_metrics = seq.metrics
-        if not self._active:
-            self._publish()
-
-    def _save_cache(
-        self, request: GenerationRequest | ScoreRequest, kv_cache: list, tokens
-    ) -> None:
-        """Keep a KV cache for the next request to reuse."""
-        # Cancelled prefill keeps whole chunks, so the offset can fall short.
-        length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
-        if length > 1:
-            # Evaluated now: a lazy slice would pin the whole batch's KV buffers.
-            mx.eval([layer.state for layer in kv_cache])
-            self._prompt_cache.insert_cache(
-                request.model_generation, list(tokens[:length]), kv_cache
-            )
-
-    def _abort_all(self, reason: str, rebuild: bool = True) -> None:
+    def _abort_all(self, reason: str, keep_decoder: bool = True) -> None:
         # Unload clears the cache, shutdown ends it, and a failed loop's state
         # is suspect: nothing here is worth keeping.
-        for seq in self._active:
+        for seq in self._sequences.values():
             seq.stream.put(Aborted(reason))
-            if seq.uid is None:
-                seq.tokens.close()
-        self._active.clear()
-        running = self._job.futures if self._job else []
-        for future in running + [future for _, future in self._side]:
-            future.set_exception(Aborted(reason))
-        self._job, self._side = None, []
+        self._sequences.clear()
+        self._jobs.abort(Aborted(reason))
         # Tell the handlers now: an unload may be followed by a long load.
         self._outbox.flush()
-        self._reset_batch(rebuild)
-
-    def _reset_batch(self, rebuild: bool) -> None:
-        """Drop every batched row; a fresh BatchGenerator when ``rebuild``."""
-        self._batched.clear()
-        if self._batch is None:
+        if self._decoder is None:
             return
-        try:
-            self._batch.close()
-        except Exception:
-            logger.exception("closing the batch generator failed")
-        self._batch = (
-            self._make_batch(self._loaded.model, self.info.options) if rebuild else None
-        )
+        if keep_decoder:
+            self._decoder.reset()
+        else:
+            self._decoder.close()
+            self._decoder = None
 
     def _publish(self) -> None:
         state = self._state
-        if state == "ready" and self._active:
+        if state == "ready" and self._sequences:
             state = "busy"
         memory = memory_snapshot()
         if self.info is not None:
             memory.update(self.info.compute_path.breakdown())
             memory.update(grammars_compiled=self.info.grammars.compilations)
+        decoder = self._decoder
         memory.update(
             prompt_cache_entries=len(self._prompt_cache),
             prompt_cache_bytes=self._prompt_cache.nbytes,
             prompt_cache_reused_tokens=self._reused_tokens,
             prompt_tokens_prefilled=self._prefilled_tokens,
-            batch_decode_steps=self._batch_steps,
-            batch_decode_tokens=self._batch_tokens,
+            batch_decode_steps=decoder.batch_steps if decoder else 0,
+            batch_decode_tokens=decoder.batch_tokens if decoder else 0,
         )
-        self.stats = EngineStats(state, len(self._active), memory)
+        self.stats = EngineStats(state, len(self._sequences), memory)
+
+    # -- loading ------------------------------------------------------------
 
     def _unload(self) -> None:
-        self._abort_all("the model was unloaded", rebuild=False)
+        self._abort_all("the model was unloaded", keep_decoder=False)
         self._prompt_cache.clear()
         self._loaded = None
         self.info = None
@@ -996,11 +574,14 @@ class Engine:
             raise
         self._unload()
         try:
-            loaded, info, batch = self._prepare(loaded, identity, options, context_size)
+            loaded, info = prepare_model(
+                loaded, identity, options, context_size, self._generation + 1
+            )
+            decoder = make_decoder(loaded.model, info.options)
         except Exception:
             self._state = "error"
             raise
-        self._loaded, self.info, self._batch = loaded, info, batch
+        self._loaded, self.info, self._decoder = loaded, info, decoder
         self._generation = info.generation
         self._prompt_cache = ThreadSafeLRUPromptCache(
             max_size=options.max_cache_entries,
@@ -1018,60 +599,6 @@ class Engine:
         gc.collect()
         gc.freeze()
         return info
-
-    def _prepare(
-        self,
-        loaded: LoadedModel,
-        identity: str,
-        options: LoadOptions,
-        context_size: int,
-    ) -> tuple[LoadedModel, ModelInfo, BatchGenerator | None]:
-        """Load the weights and build what serving the model needs."""
-        mx.eval(loaded.model.parameters())
-        model, compute_path = prepare_for_cpu(
-            loaded.model, options.dequantize, options.dequantize_max_bytes
-        )
-        loaded = dataclasses.replace(loaded, model=model)
-        if options.prefill_step_size is None:
-            options = dataclasses.replace(
-                options, prefill_step_size=compute_path.prefill_step_size
-            )
-        logger.info("compute path: %s", compute_path.description)
-        config_limit = loaded.config.get("max_position_embeddings") or 4096
-        vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
-        token_bytes = make_token_bytes(loaded.tokenizer)
-        info = ModelInfo(
-            name=identity,
-            source=loaded.source,
-            tokenizer=loaded.tokenizer,
-            context_size=context_size or config_limit,
-            vocab_size=vocab_size,
-            options=options,
-            generation=self._generation + 1,
-            compute_path=compute_path,
-            markers=make_output_markers(loaded.tokenizer),
-            token_bytes=token_bytes,
-            embeddings=hidden_state_model(loaded.model) is not None,
-            grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
-        )
-        why = unbatchable_reason(loaded.model, options.max_kv_size)
-        if why:
-            logger.info("requests run one sequence each: %s", why)
-        return loaded, info, None if why else self._make_batch(loaded.model, options)
-
-    def _make_batch(self, model, options: LoadOptions) -> BatchGenerator:
-        if self._stream is None:
-            # Its own stream: small evaluations on the thread's default stream,
-            # such as logprobs, need not wait behind the next step.
-            self._stream = mx.new_stream(mx.default_device())
-        return BatchGenerator(
-            model,
-            completion_batch_size=options.max_batch_size,
-            # BatchGenerator raises its decode limit to the prefill batch size.
-            prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
-            prefill_step_size=options.prefill_step_size,
-            stream=self._stream,
-        )
 
     def _free(self) -> None:
         self._unload()

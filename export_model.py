@@ -8,7 +8,7 @@ import argparse
 import logging
 
 from gguf_loader import export_mlx_folder
-from mlx_utils import default_model_path
+from model_loading import default_model_path
 
 logger = logging.getLogger(__name__)
 

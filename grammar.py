@@ -18,8 +18,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_utils import TokenBytes
-from python_utils import InvalidArgument, load_json
+from detokenizer import TokenBytes
+from errors import InvalidArgument
+from python_utils import load_json
 
 logger = logging.getLogger(__name__)
 

@@ -1,44 +1,16 @@
-"""Helpers that do not depend on MLX: errors, option parsing, message conversion."""
+"""Option parsing and message conversion: LoadModel options, request fields, chats."""
 
 import dataclasses
 import json
 import logging
 import math
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from errors import InvalidArgument
+
 logger = logging.getLogger(__name__)
-
-
-class BackendError(Exception):
-    """A request the backend refuses; backend.py maps each subclass to a status."""
-
-
-class InvalidArgument(BackendError):
-    """A request field is malformed or out of range (INVALID_ARGUMENT)."""
-
-
-class FailedPrecondition(BackendError):
-    """The backend is not in a state to serve the request (FAILED_PRECONDITION)."""
-
-
-class NotFound(BackendError):
-    """The request names something this backend does not have (NOT_FOUND)."""
-
-
-class Unimplemented(BackendError):
-    """The RPC is declared but not served yet (UNIMPLEMENTED)."""
-
-
-class ResourceExhausted(BackendError):
-    """A request outgrew a limit of the backend's, e.g. an unread stream (RESOURCE_EXHAUSTED)."""
-
-
-class Aborted(BackendError):
-    """The request was ended by the backend, e.g. its model was replaced (ABORTED)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +26,7 @@ class LoadOptions:
     presence_penalty: float | None = None
     repetition_context_size: int = 64
     max_tokens: int | None = None
-    # None: the compute path's default (mlx_utils.ComputePath).
+    # None: the compute path's default (cpu_path.ComputePath).
     prefill_step_size: int | None = None
     # Continuous batching: sequences decoded together, and prompts prefilled together.
     max_batch_size: int = 32
@@ -68,8 +40,6 @@ class LoadOptions:
     # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
-    # Testing aid: a request's Metadata["forced_tokens"] fixes what it generates.
-    forced_tokens: bool = False
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
     # Replies a stream may hold unread by its client before it is ended.
@@ -305,19 +275,6 @@ def parse_tool_choice(text: str) -> str | dict | None:
     return parse_json_field("ToolChoice", text)
 
 
-def parse_forced_tokens(text: str, vocab_size: int) -> tuple[int, ...]:
-    """``Metadata["forced_tokens"]``: a JSON array of token ids to generate."""
-    tokens = parse_json_field("Metadata.forced_tokens", text)
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and 0 <= t < vocab_size for t in tokens
-    ):
-        raise InvalidArgument(
-            f"Metadata.forced_tokens: expected a JSON array of token ids "
-            f"(0..{vocab_size - 1})"
-        )
-    return tuple(tokens)
-
-
 def parse_logit_bias(text: str, vocab_size: int) -> dict[int, float]:
     """``LogitBias`` JSON to ``{token_id: bias}``; ids outside the vocabulary are ignored."""
     if not text.strip():
@@ -452,76 +409,3 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     bos = tokenizer.bos_token
     add_special = bos is None or not prompt.startswith(bos)
     return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-
-
-# -- fast BLAS on Linux CPU ----------------------------------------------------------
-
-FAST_BLAS_ENV = "MLX_BACKEND_FAST_BLAS"
-# Fast BLAS libraries by family, in order of preference. MKL's sgemm is about twice
-# OpenBLAS 0.3.21's for the one-row products of decoding (measured on x86_64).
-FAST_BLAS_CANDIDATES = {
-    "mkl": (
-        f"{sys.prefix}/lib/libmkl_rt.so.3",  # PyPI `mkl` (requirements-cpu.txt)
-        "/usr/lib/x86_64-linux-gnu/libmkl_rt.so",
-    ),
-    "openblas": (
-        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-        "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-        "/usr/lib64/libopenblas.so.0",
-        "/usr/lib/libopenblas.so.0",
-    ),
-}
-FAST_BLAS_INSTALL = (
-    "pip install -r requirements-cpu.txt (MKL, x86_64) "
-    "or apt-get install libopenblas0-pthread"
-)
-
-
-def fast_blas_in_use(environ) -> str | None:
-    """The fast BLAS this process runs with (preloaded by backend.py's restart)."""
-    library = environ.get(FAST_BLAS_ENV, "")
-    preloaded = environ.get("LD_PRELOAD", "").split()
-    return library if library.startswith("/") and library in preloaded else None
-
-
-def find_fast_blas(choice: str = "auto", candidates=FAST_BLAS_CANDIDATES) -> str | None:
-    """The fast BLAS library to preload, or None when there is none.
-
-    Args:
-        choice: ``auto`` (the first family found), a family name (``mkl``,
-          ``openblas``) or the path of a library.
-        candidates: Library paths by family, in order of preference.
-
-    Raises:
-        ValueError: ``choice`` is neither a family nor a path.
-    """
-    choice = choice.strip() or "auto"
-    if choice.startswith("/"):
-        paths = (choice,)
-    elif (choice := choice.lower()) == "auto":
-        paths = tuple(p for family in candidates.values() for p in family)
-    elif choice in candidates:
-        paths = candidates[choice]
-    else:
-        names = ", ".join(["auto", "off", *candidates, "a library path"])
-        raise ValueError(f"{FAST_BLAS_ENV}={choice!r}: expected one of {names}")
-    return next((path for path in paths if Path(path).exists()), None)
-
-
-def preload_environment(environ, library: str) -> dict:
-    """``environ`` with ``library`` preloaded, so MLX binds its BLAS calls to it."""
-    preload = [p for p in environ.get("LD_PRELOAD", "").split() if p]
-    if library not in preload:
-        preload.insert(0, library)
-    return {**environ, "LD_PRELOAD": " ".join(preload), FAST_BLAS_ENV: library}
-
-
-def blas_choice_environment(environ, choice: str) -> dict:
-    """``environ`` for a child process that picks its BLAS by ``choice`` afresh.
-
-    The library this process preloaded is dropped from ``LD_PRELOAD``, so a child
-    started with ``off`` really runs MLX's bundled BLAS.
-    """
-    library = fast_blas_in_use(environ)
-    preload = [p for p in environ.get("LD_PRELOAD", "").split() if p != library]
-    return {**environ, "LD_PRELOAD": " ".join(preload), FAST_BLAS_ENV: choice}

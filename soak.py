@@ -27,8 +27,7 @@ import grpc
 import backend_pb2 as pb
 import backend_pb2_grpc
 from bench_batching import TOPICS, percentile
-
-from test import ANSWER, QUESTION, Server, chat, rss_kib  # isort: skip (test.py here)
+from conftest import ANSWER, QUESTION, Server, chat, rss_kib
 
 logger = logging.getLogger(__name__)
 

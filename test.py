@@ -20,112 +20,23 @@ import pytest
 
 import backend_pb2 as pb
 import backend_pb2_grpc
+from conftest import (
+    ANSWER,
+    ANSWER_TOKENS,
+    AUTH,
+    HERE,
+    PROMPT_TOKENS,
+    QUESTION,
+    Server,
+    chat,
+    error_of,
+    run_concurrently,
+    server_rss_mib,
+    stream_texts,
+)
+from cpu_path import FAST_BLAS_INSTALL, find_fast_blas
 from gguf_loader import export_mlx_folder
-from mlx_utils import default_model_path
-from python_utils import FAST_BLAS_INSTALL, find_fast_blas
-
-HERE = Path(__file__).resolve().parent
-QUESTION = "What is the capital of France?"
-ANSWER = "The capital of France is Paris."
-ANSWER_TOKENS = 7
-PROMPT_TOKENS = 37
-STARTUP_TIMEOUT = 120.0
-
-
-class Server:
-    """A backend process started with ``backend.py --addr 127.0.0.1:0``."""
-
-    def __init__(
-        self, *args: str, env: dict | None = None, launcher: list | None = None
-    ):
-        self.log = tempfile.NamedTemporaryFile(
-            prefix="backend-", suffix=".log", delete=False
-        )
-        command = [sys.executable, str(HERE / "backend.py"), "--addr", "127.0.0.1:0"]
-        self.process = subprocess.Popen(
-            (launcher or []) + command + list(args),
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            cwd=HERE,
-        )
-        self.port = self._wait_for_port()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = backend_pb2_grpc.BackendStub(self.channel)
-
-    def logs(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def _wait_for_port(self) -> int:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.logs())
-            if match:
-                return int(match.group(1))
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"backend did not start:\n{self.logs()}")
-
-    def wait_for(self, state, metadata=None, timeout=STARTUP_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.stub.Status(pb.HealthMessage(), metadata=metadata)
-            if status.state == state:
-                return status
-            time.sleep(0.05)
-        raise AssertionError(f"state {state} not reached:\n{self.logs()}")
-
-    def stop(self):
-        self.channel.close()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        os.unlink(self.log.name)
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server("--model", "default")
-    srv.wait_for(pb.StatusResponse.READY)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def bare_server():
-    """No model loaded and bearer auth on."""
-    srv = Server(env={"LOCALAI_GRPC_AUTH_TOKEN": "s3cret"})
-    yield srv
-    srv.stop()
-
-
-AUTH = (("authorization", "Bearer s3cret"),)
-
-
-def chat(text=QUESTION, **fields):
-    return pb.PredictOptions(
-        UseTokenizerTemplate=True,
-        Messages=[pb.Message(role="user", content=text)],
-        **fields,
-    )
-
-
-def stream_texts(stub, request, **kwargs):
-    replies = list(stub.PredictStream(request, **kwargs))
-    return [r.message.decode() for r in replies], replies[-1]
-
-
-def error_of(call, *args, **kwargs) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        result = call(*args, **kwargs)
-        if not hasattr(result, "SerializeToString"):
-            list(result)
-    return info.value
-
+from model_loading import default_model_path
 
 # -- generation ---------------------------------------------------------------
 
@@ -276,21 +187,6 @@ BATCH_PROMPTS = [
     "What is 12 times 7?",
     "Say hello in Spanish.",
 ]
-
-
-def run_concurrently(calls) -> list:
-    """Start every call at once on its own thread; their results in order."""
-    results: list = [None] * len(calls)
-
-    def run(i):
-        results[i] = calls[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 def batch_counters(server) -> tuple[int, int]:
@@ -519,21 +415,6 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
         assert (restarted in srv.logs()) == (choice == "atlas")
     finally:
         srv.stop()
-
-
-def rss_kib(pid: int) -> int | None:
-    """VmRSS of a process in KiB, or None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def server_rss_mib(server) -> int:
-    return rss_kib(server.process.pid) // 1024
 
 
 def test_an_unread_stream_is_ended_and_the_others_go_on(server):

@@ -3,8 +3,9 @@
 The real default weights are exported as an MLX folder whose tokenizer renames
 four unused special tokens to ``<think>``, ``</think>``, ``<tool_call>`` and
 ``</tool_call>`` and carries a Qwen-style chat template, so mlx-lm detects the
-markers and the tool parser as it would for a Qwen model. The ``forced_tokens``
-load option makes the model generate exactly the tokens a test names.
+markers and the tool parser as it would for a Qwen model. The servers run
+conftest's ``ForcingServicer``: a request's ``Metadata["forced_tokens"]`` makes the
+model generate exactly the tokens a test names.
 """
 
 import json
@@ -12,24 +13,20 @@ import logging
 import random
 import re
 from pathlib import Path
-from test import Server, error_of, run_concurrently
 
-import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
-from chat_output import (
-    Delta,
-    OutputOptions,
-    OutputParser,
-    make_output_markers,
-    merge_deltas,
-)
+from chat_output import Delta, OutputOptions, make_output_markers, merge_deltas
+from conftest import Server, run_concurrently
+from detokenizer import make_token_bytes
 from gguf_loader import export_mlx_folder
-from mlx_utils import default_model_path
+from model_loading import default_model_path
+from reply_pipeline import ReplyPipeline
+from request_parsing import GenerationRequest
 
 MARKER_TOKENS = {3: "<think>", 4: "</think>", 5: "<tool_call>", 6: "</tool_call>"}
 
@@ -169,25 +166,28 @@ def tokenizer(folders):
 # -- the parser, fed by the real tokenizer's streaming detokenizer -----------------
 
 
-def feed_tokens(parser: OutputParser, tokenizer, tokens: list[int]) -> list[Delta]:
-    """Deltas as the engine makes them: one per token, then the held-back rest."""
-    detokenizer = tokenizer.detokenizer
+def classify(tokenizer, pieces: list[str], stops=(), **options) -> list[Delta]:
+    """Deltas for a reply generated as the tokens of each piece in turn, through the
+    engine's reply pipeline: one per token, then the held-back rest."""
+    tokens = [t for p in pieces for t in tokenizer.encode(p, add_special_tokens=False)]
+    request = GenerationRequest(
+        prompt=(),
+        max_tokens=len(tokens) + 1,
+        stop=tuple(stops),
+        ignore_eos=True,
+        output=OutputOptions(classify=True, **options),
+    )
+    reply = ReplyPipeline(
+        request, tokenizer, make_output_markers(tokenizer), make_token_bytes(tokenizer)
+    )
     deltas = []
     for token in tokens:
-        detokenizer.add_token(token)
-        deltas.append(parser.feed(detokenizer.last_segment)[0])
-    detokenizer.finalize()
-    deltas.append(parser.feed(detokenizer.last_segment)[0])
-    deltas.append(parser.finish())
+        event = reply.add(token)
+        deltas.append(event.delta if event else Delta())
+        if reply.finished:
+            return deltas
+    deltas.append(reply.finish("stop").delta)
     return deltas
-
-
-def classify(tokenizer, pieces: list[str], stops=(), **options) -> list[Delta]:
-    """Deltas for a reply generated as the tokens of each piece in turn."""
-    markers = make_output_markers(tokenizer)
-    parser = OutputParser(markers, stops, OutputOptions(classify=True, **options))
-    tokens = [t for p in pieces for t in tokenizer.encode(p, add_special_tokens=False)]
-    return feed_tokens(parser, tokenizer, tokens)
 
 
 def without_ids(delta: Delta) -> tuple:
@@ -340,7 +340,7 @@ def test_any_token_split_streams_what_the_whole_text_gives(
 
 @pytest.fixture(scope="module")
 def server(folders):
-    srv = Server()
+    srv = Server(forcing=True)
     yield srv
     srv.stop()
 
@@ -351,9 +351,7 @@ def load(server, folders, name: str) -> None:
     if getattr(server, "test_model", None) == name:
         return
     server.test_model = None
-    result = server.stub.LoadModel(
-        pb.ModelOptions(Model=str(folders[name]), Options=["forced_tokens:true"])
-    )
+    result = server.stub.LoadModel(pb.ModelOptions(Model=str(folders[name])))
     assert result.success, result.message
     server.test_model = name
 
@@ -631,19 +629,6 @@ def test_model_metadata(server, folders):
     plain = server.stub.ModelMetadata(pb.ModelOptions())
     assert not plain.supports_thinking and plain.tool_format.format_type == ""
     assert plain.rendered_template.endswith("<|im_start|>assistant\n")
-
-
-def test_forced_tokens_need_the_load_option(server, folders, tokenizer):
-    server.test_model = None
-    assert server.stub.LoadModel(pb.ModelOptions(Model=str(folders["json"]))).success
-    error = error_of(server.stub.Predict, weather_chat(tokenizer, "Hi"))
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "forced_tokens" in error.details()
-    load(server, folders, "json")
-    bad = weather_chat(tokenizer, "Hi", Metadata={"forced_tokens": "[1, -1]"})
-    error = error_of(server.stub.Predict, bad)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "Metadata.forced_tokens" in error.details()
 
 
 # A grammar that makes the model call the tool, as LocalAI's strict mode does.

@@ -15,8 +15,9 @@ from mlx_lm.tokenizer_utils import (
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
+from detokenizer import ContinuationDetokenizer, make_token_bytes
 from gguf_loader import save_tokenizer
-from mlx_utils import ContinuationDetokenizer, default_model_path, make_token_bytes
+from model_loading import default_model_path
 
 CORPUS = [
     "The capital of France is Paris.",

@@ -9,7 +9,6 @@ alive and answer the greedy reference exactly.
 import json
 import math
 import struct
-from test import ANSWER, QUESTION, Server, chat
 
 import grpc
 import pytest
@@ -25,7 +24,8 @@ from hypothesis import (
 from hypothesis import strategies as st
 
 import backend_pb2 as pb
-from mlx_utils import default_model_path
+from conftest import ANSWER, QUESTION, chat, start_default_server
+from model_loading import default_model_path
 
 # Every call has a client deadline; running into it counts as a hang.
 DEADLINE_S = 30.0
@@ -62,13 +62,7 @@ class Backend:
 
     def __init__(self):
         self.deaths: list[str] = []
-        self.server = self._start()
-
-    @staticmethod
-    def _start() -> Server:
-        server = Server("--model", "default")
-        server.wait_for(pb.StatusResponse.READY)
-        return server
+        self.server = start_default_server()
 
     @property
     def stub(self):
@@ -81,7 +75,7 @@ class Backend:
         tail = "\n".join(self.server.logs().splitlines()[-10:])
         self.deaths.append(f"{rpc} (exit code {code})")
         self.server.stop()
-        self.server = self._start()
+        self.server = start_default_server()
         raise AssertionError(f"{rpc} killed the server (exit code {code}):\n{tail}")
 
 
@@ -494,7 +488,7 @@ BAD_OPTIONS = [
     "max_tokens:-1",
     "max_cache_bytes:1e9",
     "dequantize:maybe",
-    "forced_tokens:perhaps",
+    "trust_remote_code:perhaps",
     "embedding_pooling:max",
     "no separator",
 ]

@@ -15,7 +15,8 @@ from gguf_loader import (
     make_config,
     translate_name,
 )
-from mlx_utils import default_model_path, make_seeded_sampler
+from model_loading import default_model_path
+from sampling import make_seeded_sampler
 
 
 @pytest.fixture(scope="module")

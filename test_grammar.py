@@ -2,15 +2,12 @@
 
 import json
 import re
-from test import ANSWER, Server, chat, error_of, run_concurrently
 
 import grpc
 import pytest
 
 import backend_pb2 as pb
-from mlx_utils import default_model_path
-
-MODEL = str(default_model_path())
+from conftest import ANSWER, MODEL, Server, chat, error_of, run_concurrently
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -39,10 +36,8 @@ YES_NO = 'root ::= "The answer is " ("yes" | "no") "."'
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server()
-    result = srv.stub.LoadModel(
-        pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"])
-    )
+    srv = Server(forcing=True)
+    result = srv.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     assert result.success, result.message
     yield srv
     srv.stop()
@@ -186,6 +181,4 @@ def test_grammar_on_the_single_sequence_path(server):
             check_person(reply.message)
         assert "requests run one sequence each" in server.logs()
     finally:
-        server.stub.LoadModel(
-            pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"])
-        )
+        server.stub.LoadModel(pb.ModelOptions(Model=MODEL))

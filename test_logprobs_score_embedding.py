@@ -3,28 +3,29 @@
 import json
 import math
 import time
-from test import ANSWER, Server, chat, error_of, run_concurrently
 
 import grpc
 import pytest
 
 import backend_pb2 as pb
-from mlx_utils import default_model_path
+from conftest import (
+    ANSWER,
+    MODEL,
+    chat,
+    error_of,
+    run_concurrently,
+    start_default_server,
+)
 
 ANSWER_PIECES = ["The", " capital", " of", " France", " is", " Paris", "."]
 # Three-byte characters that SmolLM2's BPE splits across tokens.
 MULTIBYTE = "Tokyo is 東京, café ☕ and 🙂."
-# Loaded by path, so the model has a name for ModelIdentity checks.
-MODEL = str(default_model_path())
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--model", "default")
-    srv.wait_for(pb.StatusResponse.READY)
-    result = srv.stub.LoadModel(
-        pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"])
-    )
+    srv = start_default_server(forcing=True)
+    result = srv.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     assert result.success, result.message
     yield srv
     srv.stop()
@@ -136,9 +137,7 @@ def test_logprobs_on_the_single_sequence_path(server):
         single = entries_of(server.stub.Predict(request))
         assert "requests run one sequence each" in server.logs()
     finally:
-        server.stub.LoadModel(
-            pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"])
-        )
+        server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     assert [e["token"] for e in single] == ANSWER_PIECES
     for a, b in zip(single, batched):
         assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-3)
@@ -256,7 +255,7 @@ def test_long_scores_run_between_decode_steps(server):
     score = server.stub.Score(request)
     assert "".join(r.message.decode() for r in stream) == ANSWER
     # A reload empties the prompt cache, so the prompt is prefilled afresh.
-    server.stub.LoadModel(pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"]))
+    server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     alone = [
         server.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=[c])).candidates[0]
         for c in candidates
@@ -382,16 +381,14 @@ def test_last_token_pooling_option(server):
         result = server.stub.LoadModel(
             pb.ModelOptions(
                 Model=MODEL,
-                Options=["embedding_pooling:last", "forced_tokens:true"],
+                Options=["embedding_pooling:last"],
             )
         )
         assert result.success, result.message
         last = [list(embed(server, t).embeddings) for t in texts]
         together = run_concurrently([lambda t=t: embed(server, t) for t in texts])
     finally:
-        server.stub.LoadModel(
-            pb.ModelOptions(Model=MODEL, Options=["forced_tokens:true"])
-        )
+        server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     # One token: its mean is itself. Longer texts pool differently.
     assert last[0] == pytest.approx(mean[0], abs=1e-5)
     assert cosine(last[1], mean[1]) < 0.99

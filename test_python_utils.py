@@ -8,18 +8,21 @@ from pathlib import Path
 import pytest
 
 import backend_pb2
-from python_utils import (
+from cpu_path import (
     FAST_BLAS_ENV,
+    blas_choice_environment,
+    fast_blas_in_use,
+    find_fast_blas,
+    preload_environment,
+)
+from errors import InvalidArgument
+from python_utils import (
     MAX_JSON_DEPTH,
-    InvalidArgument,
     LoadOptions,
     TemplateArgs,
-    blas_choice_environment,
     check_sampling,
     convert_messages,
     encode_prompt,
-    fast_blas_in_use,
-    find_fast_blas,
     json_depth,
     parse_duration,
     parse_json_field,
@@ -29,7 +32,6 @@ from python_utils import (
     parse_template_args,
     parse_tool_choice,
     parse_tools,
-    preload_environment,
     render_chat,
     switched_off,
 )

@@ -1,0 +1,245 @@
+"""Shared test fixtures and helpers: a real backend process on a real port.
+
+pytest finds the fixtures here by itself; test files, soak.py and bench.py import
+the helpers with ``from conftest import ...``. Run as a script, this file is the
+backend with ``ForcingServicer``: the process ``Server(forcing=True)`` starts.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import pytest
+
+import backend_pb2 as pb
+import backend_pb2_grpc
+from backend import BackendServicer, main
+from cpu_path import blas_choice_environment, fast_blas_in_use
+from model_loading import ModelInfo, default_model_path
+from request_parsing import GenerationRequest
+
+HERE = Path(__file__).resolve().parent
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."
+ANSWER_TOKENS = 7
+PROMPT_TOKENS = 37
+STARTUP_TIMEOUT = 120.0
+# The default model by path, so it has a name for ModelIdentity checks.
+MODEL = str(default_model_path())
+AUTH = (("authorization", "Bearer s3cret"),)
+
+
+def backend_environment() -> dict:
+    """A backend process's environment: it picks its BLAS afresh, as when LocalAI
+    starts it, even though pytest runs with one preloaded (make test)."""
+    if fast_blas_in_use(os.environ):
+        return blas_choice_environment(os.environ, "auto")
+    return dict(os.environ)
+
+
+class Server:
+    """A backend process started with ``backend.py --addr 127.0.0.1:0``."""
+
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        launcher: list | None = None,
+        forcing: bool = False,
+    ):
+        self.log = tempfile.NamedTemporaryFile(
+            prefix="backend-", suffix=".log", delete=False
+        )
+        script = HERE / ("conftest.py" if forcing else "backend.py")
+        command = [sys.executable, str(script), "--addr", "127.0.0.1:0"]
+        self.process = subprocess.Popen(
+            (launcher or []) + command + list(args),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**backend_environment(), **(env or {})},
+            cwd=HERE,
+        )
+        try:
+            self.port = self._wait_for_port()
+        except BaseException:
+            # A backend that never listened must not outlive the caller.
+            self.process.kill()
+            self.process.wait()
+            self.log.close()
+            os.unlink(self.log.name)
+            raise
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = backend_pb2_grpc.BackendStub(self.channel)
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def _wait_for_port(self) -> int:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.logs())
+            if match:
+                return int(match.group(1))
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"backend did not start:\n{self.logs()}")
+
+    def wait_for(self, state, metadata=None, timeout=STARTUP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.stub.Status(pb.HealthMessage(), metadata=metadata)
+            if status.state == state:
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"state {state} not reached:\n{self.logs()}")
+
+    def wait_for_log(self, text: str, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Wait until ``text`` is in the log; RuntimeError if the process exits."""
+        deadline = time.monotonic() + timeout
+        while text not in self.logs():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"backend did not log {text!r}:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def stop(self):
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def start_default_server(forcing: bool = False) -> Server:
+    """A backend serving the default model, once it is READY."""
+    srv = Server("--model", "default", forcing=forcing)
+    try:
+        srv.wait_for(pb.StatusResponse.READY)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_default_server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def bare_server():
+    """No model loaded and bearer auth on (``AUTH`` passes it)."""
+    srv = Server(env={"LOCALAI_GRPC_AUTH_TOKEN": "s3cret"})
+    yield srv
+    srv.stop()
+
+
+def chat(text=QUESTION, **fields):
+    return pb.PredictOptions(
+        UseTokenizerTemplate=True,
+        Messages=[pb.Message(role="user", content=text)],
+        **fields,
+    )
+
+
+def stream_texts(stub, request, **kwargs):
+    replies = list(stub.PredictStream(request, **kwargs))
+    return [r.message.decode() for r in replies], replies[-1]
+
+
+def error_of(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, **kwargs)
+        if not hasattr(result, "SerializeToString"):
+            list(result)
+    return info.value
+
+
+def run_concurrently(calls) -> list:
+    """Start every call at once on its own thread; their results in order."""
+    results: list = [None] * len(calls)
+
+    def run(i):
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def rss_kib(pid: int) -> int | None:
+    """VmRSS of a process in KiB, or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def server_rss_mib(server) -> int:
+    return rss_kib(server.process.pid) // 1024
+
+
+# -- forced tokens -------------------------------------------------------------
+
+
+def make_forcing_processor(tokens: Sequence[int], eos: int):
+    """A logits processor under which any sampler picks ``tokens``, then ``eos``.
+
+    The model still runs every step through mlx-lm's generation loop; only its
+    choice is fixed. Tests hand it to the engine in ``GenerationRequest.processors``.
+    """
+    script = list(tokens) + [eos]
+    step = 0
+
+    def force(history: mx.array, logits: mx.array) -> mx.array:
+        nonlocal step
+        token = script[min(step, len(script) - 1)]
+        step += 1
+        allowed = mx.arange(logits.shape[-1]) == token
+        return mx.where(allowed, mx.zeros_like(logits), -mx.inf)
+
+    return force
+
+
+class ForcingServicer(BackendServicer):
+    """The backend for tests that fix what the model generates.
+
+    A request's ``Metadata["forced_tokens"]`` (JSON token ids) is generated exactly,
+    then EOS, through the engine's own hook: ``GenerationRequest.processors``.
+    """
+
+    def parse_generation(self, request, info: ModelInfo) -> GenerationRequest:
+        parsed = super().parse_generation(request, info)
+        text = request.Metadata.get("forced_tokens")
+        if text is None:
+            return parsed
+        eos = min(info.tokenizer.eos_token_ids)
+        force = make_forcing_processor(json.loads(text), eos)
+        return dataclasses.replace(parsed, processors=parsed.processors + (force,))
+
+
+if __name__ == "__main__":
+    main(servicer_class=ForcingServicer)

