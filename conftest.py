@@ -33,6 +33,8 @@ HERE = Path(__file__).resolve().parent
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
 ANSWER_TOKENS = 7
+# The tokens of ANSWER, as logprob entries name them.
+ANSWER_PIECES = ["The", " capital", " of", " France", " is", " Paris", "."]
 PROMPT_TOKENS = 37
 STARTUP_TIMEOUT = 120.0
 # The default model by path, so it has a name for ModelIdentity checks.
@@ -125,9 +127,9 @@ class Server:
         os.unlink(self.log.name)
 
 
-def start_default_server(forcing: bool = False) -> Server:
-    """A backend serving the default model, once it is READY."""
-    srv = Server("--model", "default", forcing=forcing)
+def start_default_server(model: str = "default", forcing: bool = False) -> Server:
+    """A backend serving the default model (named ``model``), once it is READY."""
+    srv = Server("--model", model, forcing=forcing)
     try:
         srv.wait_for(pb.StatusResponse.READY)
     except BaseException:
@@ -200,6 +202,28 @@ def rss_kib(pid: int) -> int | None:
 
 def server_rss_mib(server) -> int:
     return rss_kib(server.process.pid) // 1024
+
+
+# -- grammars -------------------------------------------------------------------
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "color": {"enum": ["red", "green", "blue"]},
+        "age": {"type": "integer", "minimum": 18, "maximum": 65},
+    },
+    "required": ["name", "color", "age"],
+    "additionalProperties": False,
+}
+
+
+def check_person(text: str) -> None:
+    person = json.loads(text)
+    assert set(person) == {"name", "color", "age"}
+    assert isinstance(person["name"], str) and len(person["name"]) <= 20
+    assert person["color"] in ("red", "green", "blue")
+    assert type(person["age"]) is int and 18 <= person["age"] <= 65
 
 
 # -- forced tokens -------------------------------------------------------------

@@ -20,9 +20,8 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache
 
 from cpu_path import pace_step
-from mlx_utils import gather_logprobs, make_kv_cache, unbatchable_reason
+from mlx_utils import Scored, gather_logprobs, make_kv_cache, unbatchable_reason
 from python_utils import LoadOptions
-from reply_pipeline import Scored
 from sampling import see_cached_prompt
 
 logger = logging.getLogger(__name__)

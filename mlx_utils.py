@@ -54,9 +54,13 @@ def release_memory() -> None:
     mx.reset_peak_memory()
 
 
+# A token's logprob and its best alternatives, as (token id, logprob) pairs.
+Scored = tuple[float, list[tuple[int, float]]]
+
+
 def gather_logprobs(
     rows: Sequence[mx.array], tokens: Sequence[int], top: int
-) -> list[tuple[float, list[tuple[int, float]]]]:
+) -> list[Scored]:
     """Each row's logprob of its token and its ``top`` best tokens, best first.
 
     One evaluation for every row of a decode step.

@@ -12,6 +12,7 @@ from chat_output import Delta, OutputMarkers, OutputParser, merge_deltas
 from detokenizer import ContinuationDetokenizer, TokenBytes
 from errors import InvalidArgument
 from grammar import GrammarState
+from mlx_utils import Scored
 from request_parsing import GenerationRequest
 
 
@@ -43,10 +44,6 @@ class Finished:
     generation_seconds: float
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] = ()
-
-
-# A token's logprob and its best alternatives, as (token id, logprob) pairs.
-Scored = tuple[float, list[tuple[int, float]]]
 
 
 class ReplyPipeline:

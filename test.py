@@ -230,37 +230,12 @@ def test_a_cancelled_member_does_not_disturb_the_others(server):
 STORY_PROMPT = "Tell me a long story about a dragon."
 
 
-def test_unbatchable_models_fall_back_to_one_sequence_each(server):
-    assert server.stub.LoadModel(pb.ModelOptions(Options=["max_kv_size:256"])).success
-    try:
-        assert "requests run one sequence each: max_kv_size" in server.logs()
-        steps, _ = batch_counters(server)
-        replies = run_concurrently(
-            [lambda: server.stub.Predict(chat(Tokens=40)).message.decode()] * 2
-        )
-        assert replies == [ANSWER, ANSWER]
-        assert batch_counters(server)[0] == steps
-    finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
-
-
 def test_batch_options_are_validated(server):
+    # A refused load keeps the model; test_engine.py runs the accepted sizes.
     for option in ("max_batch_size:0", "prefill_batch_size:-1"):
         result = server.stub.LoadModel(pb.ModelOptions(Options=[option]))
         assert not result.success and option.split(":")[0] in result.message
-    options = ["max_batch_size:2", "prefill_step_size:16"]
-    assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
-    try:
-        steps, tokens = batch_counters(server)
-        replies = run_concurrently(
-            [lambda: server.stub.Predict(chat(Tokens=40)).message.decode()] * 4
-        )
-        assert replies == [ANSWER] * 4
-        # Never more than two rows per step, even with eight prompts per prefill.
-        steps_after, tokens_after = batch_counters(server)
-        assert 1 < (tokens_after - tokens) / (steps_after - steps) <= 2
-    finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
+    assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
 
 
 def test_penalties_and_filters_are_accepted(server):
@@ -359,17 +334,6 @@ def test_linux_cpu_runs_the_fast_path(server):
     assert "weights dequantized to float32" in server.logs()
     # The reference answer on the fast path.
     assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
-
-
-def test_dequantize_option_off_keeps_quantized_kernels(server):
-    result = server.stub.LoadModel(pb.ModelOptions(Options=["dequantize:false"]))
-    try:
-        assert result.success and "quantized kernels" in result.message
-        breakdown = server.stub.Status(pb.HealthMessage()).memory.breakdown
-        assert breakdown["dequantized_weights"] == 0
-        assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
-    finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
 
 
 @pytest.mark.parametrize("choice", ["off", "openblas"])
@@ -518,21 +482,6 @@ def test_deadline_stops_generation(server):
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_for(pb.StatusResponse.READY, timeout=5)
     assert "generation cancelled" in server.logs()
-
-
-def test_cancel_during_prefill(server):
-    assert server.stub.LoadModel(
-        pb.ModelOptions(Options=["prefill_step_size:8"])
-    ).success
-    try:
-        error = error_of(
-            server.stub.Predict, chat("word " * 300, Tokens=5), timeout=2.0
-        )
-        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        server.wait_for(pb.StatusResponse.READY, timeout=10)
-        assert "generation cancelled during prefill" in server.logs()
-    finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
 
 
 # -- errors ------------------------------------------------------------------------
@@ -777,26 +726,6 @@ def test_prompt_cache_keeps_greedy_output_identical(server):
     counters = cache_counters(server)
     assert counters["prompt_cache_entries"] >= 1
     assert counters["prompt_cache_bytes"] > 0
-
-
-def test_rotating_kv_caches_are_reused_until_they_wrap(server):
-    options = ["max_kv_size:48"]
-    assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
-    try:
-        before = cache_counters(server)["prompt_cache_reused_tokens"]
-        # 37 prompt tokens and 4 more stay inside the window: trimmed and reused.
-        short = [server.stub.Predict(chat(Tokens=4)) for _ in range(2)]
-        reused = cache_counters(server)["prompt_cache_reused_tokens"]
-        assert short[1].message == short[0].message
-        assert reused - before == PROMPT_TOKENS - 1
-        # 37 + 16 tokens wrap the window: the entry cannot be trimmed, so a repeat
-        # (after a reload has emptied the cache) starts afresh and answers the same.
-        assert server.stub.LoadModel(pb.ModelOptions(Options=options)).success
-        long = [server.stub.Predict(chat(Tokens=16, IgnoreEOS=True)) for _ in "ab"]
-        assert long[1].message == long[0].message
-        assert cache_counters(server)["prompt_cache_reused_tokens"] == reused
-    finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
 
 
 def test_a_cancelled_generation_leaves_its_cache(server):

@@ -22,7 +22,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 import backend_pb2 as pb
 from chat_output import Delta, OutputOptions, make_output_markers, merge_deltas
 from conftest import Server, run_concurrently
-from detokenizer import make_token_bytes
+from detokenizer import TokenBytes
 from gguf_loader import export_mlx_folder
 from model_loading import default_model_path
 from reply_pipeline import ReplyPipeline
@@ -177,8 +177,9 @@ def classify(tokenizer, pieces: list[str], stops=(), **options) -> list[Delta]:
         ignore_eos=True,
         output=OutputOptions(classify=True, **options),
     )
+    # No logprobs are asked for, so no token bytes are needed.
     reply = ReplyPipeline(
-        request, tokenizer, make_output_markers(tokenizer), make_token_bytes(tokenizer)
+        request, tokenizer, make_output_markers(tokenizer), TokenBytes(())
     )
     deltas = []
     for token in tokens:

@@ -6,19 +6,29 @@ them over, and each test loads the options it needs.
 """
 
 import asyncio
+import dataclasses
+import json
+import logging
 
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
 from chat_output import merge_deltas
-from conftest import ANSWER, QUESTION, make_forcing_processor
+from conftest import (
+    ANSWER,
+    ANSWER_PIECES,
+    PERSON_SCHEMA,
+    QUESTION,
+    check_person,
+    make_forcing_processor,
+)
 from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
 from engine import Engine
 from errors import Aborted, FailedPrecondition
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
 from reply_pipeline import Finished, Output
-from request_parsing import GenerationRequest
+from request_parsing import GenerationRequest, SamplingParams
 
 QUESTIONS = (QUESTION, "Name three colors.", "Write a short poem about the sea.")
 # Options that make the single-sequence decoder (rotating KV caches can't batch).
@@ -84,6 +94,12 @@ def wait_idle(engine: Engine, turns: int = 200) -> None:
         if engine.stats.active == 0:
             return
     raise AssertionError(f"{engine.stats.active} sequences still active")
+
+
+def stats_after(engine: Engine) -> dict[str, int]:
+    """Status figures once every sequence is retired."""
+    wait_idle(engine)
+    return engine.stats.memory
 
 
 def on_engine_thread(engine: Engine, fn):
@@ -154,24 +170,47 @@ def test_batched_and_single_decoders_agree(engine):
             assert state.cache[0].offset >= len(prompt)
 
 
-def test_engine_paths_give_the_same_replies(engine):
-    requests = [generation(engine, q, max_tokens=16, logprobs=3) for q in QUESTIONS]
-    replies = run(engine, *requests)
-    reference = load_engine() if engine.info.options.max_kv_size else None
-    if reference is None:
-        reference = load_engine(*SINGLE)
-    try:
-        again = run(
-            reference,
-            *[generation(reference, q, max_tokens=16, logprobs=3) for q in QUESTIONS],
+def test_engine_paths_give_the_same_replies():
+    """Text and logprob entries, whichever decoder the load options pick."""
+    replies = []
+    for options in ((), SINGLE):
+        engine = load_engine(*options)
+        try:
+            requests = [
+                generation(engine, q, max_tokens=16, logprobs=2) for q in QUESTIONS
+            ]
+            replies.append(run(engine, *requests))
+        finally:
+            engine.shutdown()
+    for batched, single in zip(*replies):
+        assert text_of(batched) == text_of(single)
+        entries = [
+            [lp for e in events for lp in e.logprobs] for events in (batched, single)
+        ]
+        assert len(entries[0]) == len(entries[1]) == batched[-1].completion_tokens
+        for a, b in zip(*entries):
+            assert a.token == b.token
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert len(a.top) == 2
+    first = [lp.token.decode() for e in replies[1][0] for lp in e.logprobs]
+    assert first == ANSWER_PIECES
+
+
+def test_grammar_on_either_decoder(engine):
+    grammar = engine.info.grammars.compile(json.dumps(PERSON_SCHEMA))
+    requests = [
+        generation(
+            engine,
+            "Describe a person as JSON.",
+            max_tokens=200,
+            grammar=grammar,
+            sampling=SamplingParams(temperature=0.8, seed=seed),
         )
-    finally:
-        reference.shutdown()
-    for ours, theirs in zip(replies, again):
-        assert text_of(ours) == text_of(theirs)
-        ours_lp = [lp.token for e in ours for lp in e.logprobs]
-        theirs_lp = [lp.token for e in theirs for lp in e.logprobs]
-        assert ours_lp == theirs_lp and len(ours_lp) == ours[-1].completion_tokens
+        for seed in range(2)
+    ]
+    for events in run(engine, *requests):
+        check_person(text_of(events))
 
 
 def test_forced_tokens_through_the_request_processors(engine):
@@ -189,6 +228,29 @@ def test_forced_tokens_through_the_request_processors(engine):
         len(forced),
     )
     # The processor belongs to its request: the other row in the step is untouched.
+    assert text_of(plain) == ANSWER
+
+
+def test_requests_beyond_the_decoders_capabilities_are_refused(engine):
+    decoder = engine._decoder
+    advertised = decoder.capabilities
+    decoder.capabilities = dataclasses.replace(
+        advertised, logprobs=False, grammar=False
+    )
+    grammar = engine.info.grammars.compile('root ::= "yes"')
+    try:
+        logprobs, grammar, plain = run(
+            engine,
+            generation(engine, logprobs=2),
+            generation(engine, grammar=grammar),
+            generation(engine),
+        )
+    finally:
+        decoder.capabilities = advertised
+    assert isinstance(logprobs[-1], FailedPrecondition)
+    assert str(logprobs[-1]).startswith("Logprobs:")
+    assert isinstance(grammar[-1], FailedPrecondition)
+    assert str(grammar[-1]).startswith("Grammar:")
     assert text_of(plain) == ANSWER
 
 
@@ -217,40 +279,30 @@ def test_cancel_stops_the_generation_within_a_few_steps(engine):
     assert text_of(events) == ANSWER
 
 
-def test_cancel_during_prefill():
-    engine = load_engine("prefill_step_size:32", *SINGLE)
+@pytest.mark.parametrize("options", [(), SINGLE], ids=["batched", "single"])
+def test_cancel_during_prefill(options, caplog):
+    caplog.set_level(logging.INFO, logger="engine")
+    engine = load_engine("prefill_step_size:32", *options)
     try:
-        long_prompt = chat_prompt(engine, "Tell me about Paris. " * 60)
-        steps = []
+        long = GenerationRequest(
+            prompt=chat_prompt(engine, "Tell me about Paris. " * 60),
+            max_tokens=8,
+            model_generation=engine.info.generation,
+        )
 
         async def cancel_in_prefill():
-            stream = engine.submit(
-                GenerationRequest(
-                    prompt=long_prompt,
-                    max_tokens=8,
-                    model_generation=engine.info.generation,
-                ),
-                asyncio.get_running_loop(),
-            )
+            stream = engine.submit(long, asyncio.get_running_loop())
             while engine.stats.active == 0:
                 await asyncio.sleep(0.01)
             stream.cancel()
-            steps.append(engine.stats.active)
 
         asyncio.run(cancel_in_prefill())
-        wait_idle(engine)
-        # A cancelled prefill keeps the whole chunks it ran, short of the prompt.
-        reused = engine.stats.memory["prompt_cache_reused_tokens"]
-        (events,) = run(
-            engine,
-            GenerationRequest(
-                prompt=long_prompt,
-                max_tokens=1,
-                model_generation=engine.info.generation,
-            ),
-        )
-        gained = engine.stats.memory["prompt_cache_reused_tokens"] - reused
-        assert 0 <= gained < len(long_prompt) - 32
+        reused = stats_after(engine)["prompt_cache_reused_tokens"]
+        assert "generation cancelled during prefill" in caplog.text
+        # It stopped chunks short of the prompt's end, and the next request is served.
+        (events,) = run(engine, long)
+        gained = stats_after(engine)["prompt_cache_reused_tokens"] - reused
+        assert gained < len(long.prompt) - 32
         assert isinstance(events[-1], Finished)
     finally:
         engine.shutdown()
@@ -289,5 +341,67 @@ def test_unload_aborts_running_generations():
             ),
         )
         assert isinstance(late[-1], FailedPrecondition)
+    finally:
+        engine.shutdown()
+
+
+# -- load options, each test with its own engine ---------------------------------
+
+
+def test_unbatchable_models_fall_back_to_one_sequence_each(caplog):
+    caplog.set_level(logging.INFO, logger="decoders")
+    engine = load_engine("max_kv_size:256")
+    try:
+        assert "requests run one sequence each: max_kv_size" in caplog.text
+        assert not engine._decoder.capabilities.batching
+        replies = run(engine, generation(engine), generation(engine))
+        assert [text_of(r) for r in replies] == [ANSWER, ANSWER]
+        assert stats_after(engine)["batch_decode_steps"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_batch_size_caps_the_rows_per_step():
+    engine = load_engine("max_batch_size:2", "prefill_step_size:16")
+    try:
+        replies = run(engine, *[generation(engine) for _ in range(4)])
+        assert [text_of(r) for r in replies] == [ANSWER] * 4
+        # Never more than two rows per step, even with eight prompts per prefill.
+        stats = stats_after(engine)
+        assert 1 < stats["batch_decode_tokens"] / stats["batch_decode_steps"] <= 2
+    finally:
+        engine.shutdown()
+
+
+def test_dequantize_option_off_keeps_quantized_kernels():
+    engine = load_engine("dequantize:false")
+    try:
+        assert "quantized kernels" in engine.info.compute_path.description
+        assert engine.stats.memory["dequantized_weights"] == 0
+        (events,) = run(engine, generation(engine))
+        assert text_of(events) == ANSWER
+    finally:
+        engine.shutdown()
+
+
+def test_rotating_kv_caches_are_reused_until_they_wrap():
+    engine = load_engine("max_kv_size:48")
+    try:
+        before = stats_after(engine)["prompt_cache_reused_tokens"]
+        # 37 prompt tokens and 4 more stay inside the window: trimmed and reused.
+        short = [run(engine, generation(engine, max_tokens=4))[0] for _ in "ab"]
+        reused = stats_after(engine)["prompt_cache_reused_tokens"]
+        assert text_of(short[1]) == text_of(short[0])
+        assert reused - before == 37 - 1
+    finally:
+        engine.shutdown()
+    # 37 + 16 tokens wrap the window: the entry cannot be trimmed, so a repeat
+    # starts afresh and answers the same.
+    engine = load_engine("max_kv_size:48")
+    try:
+        wrap = generation(engine, max_tokens=16, ignore_eos=True)
+        long = [run(engine, wrap)[0] for _ in "ab"]
+        assert text_of(long[1]) == text_of(long[0])
+        assert stats_after(engine)["prompt_cache_reused_tokens"] == 0
     finally:
         engine.shutdown()

@@ -7,18 +7,16 @@ import grpc
 import pytest
 
 import backend_pb2 as pb
-from conftest import ANSWER, MODEL, Server, chat, error_of, run_concurrently
-
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "color": {"enum": ["red", "green", "blue"]},
-        "age": {"type": "integer", "minimum": 18, "maximum": 65},
-    },
-    "required": ["name", "color", "age"],
-    "additionalProperties": False,
-}
+from conftest import (
+    ANSWER,
+    MODEL,
+    PERSON_SCHEMA,
+    Server,
+    chat,
+    check_person,
+    error_of,
+    run_concurrently,
+)
 
 # A small language: a shopping list of known items with counts.
 SHOPPING_GBNF = r"""
@@ -45,14 +43,6 @@ def server():
 
 def grammar_chat(question: str, grammar: str, seed: int = 0, **fields):
     return chat(question, Grammar=grammar, Temperature=0.8, Seed=seed, **fields)
-
-
-def check_person(text: str) -> None:
-    person = json.loads(text)
-    assert set(person) == {"name", "color", "age"}
-    assert isinstance(person["name"], str) and len(person["name"]) <= 20
-    assert person["color"] in ("red", "green", "blue")
-    assert type(person["age"]) is int and 18 <= person["age"] <= 65
 
 
 def counters(server) -> dict:
@@ -164,21 +154,3 @@ def test_grammar_requests_inside_a_batch(server):
     steps = after["batch_decode_steps"] - before["batch_decode_steps"]
     tokens = after["batch_decode_tokens"] - before["batch_decode_tokens"]
     assert tokens / steps > 1.5, "the requests did not share decode steps"
-
-
-def test_grammar_on_the_single_sequence_path(server):
-    try:
-        result = server.stub.LoadModel(
-            pb.ModelOptions(Model=MODEL, Options=["max_kv_size:1024"])
-        )
-        assert result.success, result.message
-        for seed in range(2):
-            reply = server.stub.Predict(
-                grammar_chat(
-                    "Describe a person as JSON.", json.dumps(PERSON_SCHEMA), seed
-                )
-            )
-            check_person(reply.message)
-        assert "requests run one sequence each" in server.logs()
-    finally:
-        server.stub.LoadModel(pb.ModelOptions(Model=MODEL))

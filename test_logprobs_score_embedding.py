@@ -10,6 +10,7 @@ import pytest
 import backend_pb2 as pb
 from conftest import (
     ANSWER,
+    ANSWER_PIECES,
     MODEL,
     chat,
     error_of,
@@ -17,16 +18,14 @@ from conftest import (
     start_default_server,
 )
 
-ANSWER_PIECES = ["The", " capital", " of", " France", " is", " Paris", "."]
 # Three-byte characters that SmolLM2's BPE splits across tokens.
 MULTIBYTE = "Tokyo is 東京, café ☕ and 🙂."
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_default_server(forcing=True)
-    result = srv.stub.LoadModel(pb.ModelOptions(Model=MODEL))
-    assert result.success, result.message
+    # Named by its path, as LocalAI names a model file.
+    srv = start_default_server(MODEL, forcing=True)
     yield srv
     srv.stop()
 
@@ -124,26 +123,6 @@ def test_logprobs_are_the_same_alone_and_batched(server):
         assert [t for t, _ in solo] == [t for t, _ in batched]
         for (_, a), (_, b) in zip(solo, batched):
             assert a == pytest.approx(b, abs=1e-3)
-
-
-def test_logprobs_on_the_single_sequence_path(server):
-    request = chat(Logprobs=1, TopLogprobs=2)
-    batched = entries_of(server.stub.Predict(request))
-    try:
-        result = server.stub.LoadModel(
-            pb.ModelOptions(Model=MODEL, Options=["max_kv_size:1024"])
-        )
-        assert result.success, result.message
-        single = entries_of(server.stub.Predict(request))
-        assert "requests run one sequence each" in server.logs()
-    finally:
-        server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
-    assert [e["token"] for e in single] == ANSWER_PIECES
-    for a, b in zip(single, batched):
-        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-3)
-        assert [t["token"] for t in a["top_logprobs"]] == [
-            t["token"] for t in b["top_logprobs"]
-        ]
 
 
 @pytest.mark.parametrize(
