@@ -13,6 +13,9 @@
    a 6-turn chat against the tokens new in each turn.
 4. Continuous batching (bench_batching.py): aggregate tokens/s, TTFT and inter-token
    latency at 1 to 16 concurrent streams, next to mlx_lm.server on the same weights.
+5. Shared prefixes (bench_prefix.py): bursts of 8 and 16 chats with one ~1000-token
+   system prompt, with prefix sharing on, off, and on mlx_lm.server: time to first
+   token and wall time; and a cancel-then-resend's TTFT against a cold start.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json.
@@ -35,6 +38,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import backend_pb2 as pb
 from bench_batching import bench_batching, percentile
+from bench_prefix import bench_prefix
 from conftest import Server
 from cpu_path import (
     blas_choice_environment,
@@ -354,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--skip-batching", action="store_true", help="skip part 4")
     parser.add_argument("--only-batching", action="store_true", help="run part 4 only")
+    parser.add_argument("--prefix-rounds", type=int, default=1)
+    parser.add_argument("--skip-prefix", action="store_true", help="skip part 5")
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -383,13 +389,13 @@ def main(argv: list[str] | None = None) -> None:
         if not args.only_batching:
             report["prompt_cache"], part = bench_prompt_cache(fast, args.cache_rounds)
             lines += [""] + part
+        # mlx_lm.server gets the weights as this backend runs them.
+        breakdown = fast.Status(pb.HealthMessage()).memory.breakdown
+        dequantize = breakdown["dequantized_weights"] > 0
+        exported = export_mlx_folder(
+            default_model_path(), Path(folder) / "mlx", dequantize=dequantize
+        )
         if not args.skip_batching:
-            # mlx_lm.server gets the weights as this backend runs them.
-            breakdown = fast.Status(pb.HealthMessage()).memory.breakdown
-            dequantize = breakdown["dequantized_weights"] > 0
-            exported = export_mlx_folder(
-                default_model_path(), Path(folder) / "mlx", dequantize=dequantize
-            )
             report["batching"], part = bench_batching(
                 fast,
                 str(exported),
@@ -397,6 +403,14 @@ def main(argv: list[str] | None = None) -> None:
                 args.batch_rounds,
                 args.batch_tokens,
                 Path(args.out).parent / "batching.png",
+            )
+            lines += [""] + part
+        if not (args.skip_prefix or args.only_batching):
+            no_sharing = stack.enter_context(running_server())
+            options = pb.ModelOptions(Model="default", Options=["prefix_sharing:false"])
+            assert no_sharing.LoadModel(options).success
+            report["prefix"], part = bench_prefix(
+                fast, no_sharing, str(exported), folder, args.prefix_rounds
             )
             lines += [""] + part
 

@@ -61,10 +61,15 @@ def prompt_for(level: int, round: int, i: int) -> str:
     )
 
 
-def grpc_stream(stub, prompt: str, tokens: int, eos: int) -> Stream:
+def chat_messages(prompt: str | list[dict]) -> list[dict]:
+    """A chat: ``prompt`` as the user's message, or the messages as given."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def grpc_stream(stub, prompt: str | list[dict], tokens: int, eos: int) -> Stream:
     request = pb.PredictOptions(
         UseTokenizerTemplate=True,
-        Messages=[pb.Message(role="user", content=prompt)],
+        Messages=[pb.Message(**m) for m in chat_messages(prompt)],
         Tokens=tokens,
         LogitBias=json.dumps({str(eos): -1e9}),
     )
@@ -76,10 +81,12 @@ def grpc_stream(stub, prompt: str, tokens: int, eos: int) -> Stream:
     return Stream(start, arrivals, reply.tokens)
 
 
-def http_stream(port: int, model: str, prompt: str, tokens: int, eos: int) -> Stream:
+def http_stream(
+    port: int, model: str, prompt: str | list[dict], tokens: int, eos: int
+) -> Stream:
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": chat_messages(prompt),
         "max_tokens": tokens,
         "temperature": 0.0,
         "logit_bias": {str(eos): -1e9},

@@ -48,6 +48,8 @@ class Capabilities:
     trimmable_cache: bool
     logprobs: bool = True
     grammar: bool = True
+    # KV states of prompt prefixes are handed back as prefill passes them.
+    prefix_snapshots: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class NewSequence:
     history: int = 64
     # Polled between prefill chunks, so a long prompt stops within one chunk.
     cancelled: Callable[[], bool] = lambda: False
+    # Prompt lengths whose KV state is handed back as prefill passes them
+    # (``StepResult.snapshots``), where the decoder can.
+    snapshots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class StepResult:
     state: KVState | None = None
     # Without its traceback: it must not hold MLX arrays on the handlers' thread.
     error: Exception | None = None
+    # Copies of the KV state of the prompt prefixes that prefill passed this step.
+    snapshots: tuple[KVState, ...] = ()
 
 
 class Decoder(ABC):
@@ -129,9 +136,13 @@ class BatchDecoder(Decoder):
     def __init__(self, model: nn.Module, options: LoadOptions, trimmable: bool):
         self._model = model
         self._options = options
-        self.capabilities = Capabilities(batching=True, trimmable_cache=trimmable)
+        self.capabilities = Capabilities(
+            batching=True, trimmable_cache=trimmable, prefix_snapshots=True
+        )
         # Each row's logprob width (None: no logprobs), by BatchGenerator uid.
         self._rows: dict[int, int | None] = {}
+        # Each row's prompt prefixes still to snapshot, in prefill order.
+        self._snapshots: dict[int, list[tuple[int, ...]]] = {}
         self._pace = mx.default_device() == mx.cpu
         self._batch = self._make_batch()
 
@@ -150,10 +161,17 @@ class BatchDecoder(Decoder):
         processors = list(sequence.processors)
         if self._pace:
             processors.insert(0, pace_step)
-        reused = len(sequence.prompt) - len(sequence.rest)
+        prompt, rest = sequence.prompt, list(sequence.rest)
+        reused = len(prompt) - len(rest)
+        # Prefill stops at each snapshot length; BatchGenerator itself splits off
+        # the last prompt token, which starts generation.
+        cuts = sorted(
+            {n - reused for n in sequence.snapshots} & set(range(1, len(rest)))
+        )
+        segments = [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])]
         # EOS, stop strings and the token limit are checked by the reply pipeline.
-        (uid,) = self._batch.insert(
-            [list(sequence.rest)],
+        (uid,) = self._batch.insert_segments(
+            [segments],
             max_tokens=[sequence.max_tokens],
             caches=[sequence.kv_cache],
             all_tokens=[list(sequence.prompt[:reused])],
@@ -161,11 +179,16 @@ class BatchDecoder(Decoder):
             logits_processors=[processors],
         )
         self._rows[uid] = sequence.logprobs
+        ends = [reused + cut for cut in cuts]
+        if len(rest) > 1 and len(prompt) - 1 in sequence.snapshots:
+            ends.append(len(prompt) - 1)
+        if ends:
+            self._snapshots[uid] = [prompt[:end] for end in sorted(set(ends))]
         return uid
 
     def step(self) -> list[StepResult]:
         try:
-            _, responses = self._batch.next()
+            prompt_responses, responses = self._batch.next()
         except Exception as e:
             logger.exception("batched generation failed")
             error = e.with_traceback(None)
@@ -175,6 +198,7 @@ class BatchDecoder(Decoder):
             ]
             self.reset()
             return failed
+        snapshots = self._take_snapshots(prompt_responses)
         responses = [r for r in responses if r.uid in self._rows]
         if responses:
             self.batch_steps += 1
@@ -187,6 +211,7 @@ class BatchDecoder(Decoder):
             if done:
                 # The row already left the batch, with its KV cache.
                 del self._rows[response.uid]
+                self._snapshots.pop(response.uid, None)
                 state = KVState(response.prompt_cache, response.all_tokens)
             results.append(
                 StepResult(
@@ -195,9 +220,28 @@ class BatchDecoder(Decoder):
                     (scored.get(response.uid),),
                     done=done,
                     state=state,
+                    snapshots=snapshots.pop(response.uid, ()),
                 )
             )
+        # Rows still in prefill report only their snapshots.
+        results += [
+            StepResult(uid, snapshots=taken) for uid, taken in snapshots.items()
+        ]
         return results
+
+    def _take_snapshots(self, prompt_responses) -> dict[int, tuple[KVState, ...]]:
+        """Copies of the KV state of each prompt prefix whose prefill just ended."""
+        taken: dict[int, list[KVState]] = {}
+        for response in prompt_responses:
+            pending = self._snapshots.get(response.uid)
+            if not response.end_of_segment or not pending:
+                continue
+            tokens = pending.pop(0)
+            if not pending:
+                del self._snapshots[response.uid]
+            cache, _ = self._batch.extract_cache([response.uid])[response.uid]
+            taken.setdefault(response.uid, []).append(KVState(cache, list(tokens)))
+        return {uid: tuple(states) for uid, states in taken.items()}
 
     def _score(self, responses) -> dict[int, Scored]:
         """Logprob entries of the step's tokens, in one evaluation for every row
@@ -216,6 +260,7 @@ class BatchDecoder(Decoder):
         }
 
     def remove(self, key: int, keep_state: bool = True) -> KVState | None:
+        self._snapshots.pop(key, None)
         if key not in self._rows:
             return None
         del self._rows[key]
@@ -232,6 +277,7 @@ class BatchDecoder(Decoder):
 
     def _close_batch(self) -> None:
         self._rows.clear()
+        self._snapshots.clear()
         try:
             self._batch.close()
         except Exception:

@@ -38,6 +38,15 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL = 16
 # The share of physical memory the prompt cache may take by default.
 PROMPT_CACHE_MEMORY_FRACTION = 0.1
+# A request waits for another's prefill only to skip at least this many tokens:
+# below it, copying the shared KV state costs about what prefilling it does.
+SHARED_PREFIX_MIN_TOKENS = 64
+
+
+def common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,12 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox = _Outbox()
         self._sequences: dict[int, _Sequence] = {}
+        # Submitted requests, admitted after the step's cancellations retire.
+        self._waiting: list[Submit] = []
+        # Prompt prefixes that running sequences are prefilling, with the requests
+        # waiting to start from their KV state; and each sequence's prefixes.
+        self._pending: dict[tuple[int, ...], list[Submit]] = {}
+        self._prefixes: dict[int, list[tuple[int, ...]]] = {}
         self._decoder: Decoder | None = None
         self._jobs = JobQueue(self._fetch_cache, self._save_cache)
         self._loaded: LoadedModel | None = None
@@ -279,7 +294,7 @@ class Engine:
                         future.set_exception(Aborted("the backend is shutting down"))
 
     def _busy(self) -> bool:
-        return bool(self._sequences or self._jobs)
+        return bool(self._sequences or self._waiting or self._jobs)
 
     def _schedule(self) -> bool:
         """Take the inbox's messages; block while idle. False when asked to stop."""
@@ -294,8 +309,8 @@ class Engine:
             match message:
                 case Stop():
                     return False
-                case Submit(request, stream):
-                    self._admit(request, stream)
+                case Submit():
+                    self._waiting.append(message)
                 case Compute(request, future):
                     self._queue_job(request, future)
                 case Call(fn, args, future):
@@ -303,7 +318,9 @@ class Engine:
             self._publish()
 
     def _step(self) -> None:
+        # Cancelled rows retire first, so that their KV state serves new requests.
         self._sweep()
+        self._admit_waiting()
         if self._sequences:
             self._emit(self._decoder.step())
         if self._jobs:
@@ -314,6 +331,10 @@ class Engine:
 
     def _sweep(self) -> None:
         """Retire the sequences whose handler is gone or whose client stopped reading."""
+        for followers in self._pending.values():
+            followers[:] = [f for f in followers if not f.stream.cancelled]
+        if not self._sequences:
+            return
         limit = self.info.options.max_stream_backlog
         for seq in list(self._sequences.values()):
             if seq.stream.cancelled:
@@ -351,6 +372,8 @@ class Engine:
                 seq.stream.put(result.error)
                 self._retire(seq, result.state)
                 continue
+            for snapshot in result.snapshots:
+                self._share(snapshot)
             if seq.stream.cancelled:  # during the step
                 self._cancel(seq, result.state)
                 continue
@@ -370,7 +393,70 @@ class Engine:
             if seq.reply.finished:
                 self._retire(seq, result.state)
 
-    def _admit(self, request: GenerationRequest, stream: RequestStream) -> None:
+    def _admit_waiting(self) -> None:
+        """Start the waiting requests, except those that can wait for a prefix
+        another sequence is prefilling."""
+        waiting, self._waiting = self._waiting, []
+        for i, message in enumerate(waiting):
+            if message.stream.cancelled:
+                continue
+            prefix, lead = self._plan_sharing(message.request, waiting[i + 1 :])
+            if prefix is not None:
+                self._pending[prefix].append(message)
+                continue
+            self._admit(message.request, message.stream, lead)
+        if waiting:
+            self._publish()
+
+    def _plan_sharing(
+        self, request: GenerationRequest, later: list[Submit]
+    ) -> tuple[tuple[int, ...] | None, int]:
+        """A running sequence's prefix to wait for, or else the length of the
+        prefix this request shares with those that arrived after it (0: none)."""
+        if (
+            self._loaded is None
+            or request.model_generation != self._generation
+            or not self.info.options.prefix_sharing
+            or not self._decoder.capabilities.prefix_snapshots
+        ):
+            return None, 0
+        prompt = request.prompt
+        cached = self._prompt_cache.cached_length(self._generation, prompt)
+        shared = {p: common_length(p, prompt) for p in self._pending}
+        # The shortest of the longest matches: its prefill ends first.
+        best = max(shared, key=lambda p: (shared[p], -len(p)), default=None)
+        if best is not None:
+            saved = shared[best] - cached
+            # Waiting past the shared part (another prompt's own suffix) is worth
+            # at most a quarter of the prefill it saves.
+            if (
+                saved >= SHARED_PREFIX_MIN_TOKENS
+                and len(best) - shared[best] <= saved // 4
+            ):
+                return best, 0
+        lead = max((common_length(prompt, m.request.prompt) for m in later), default=0)
+        lead = min(lead, len(prompt) - 1)
+        return None, lead if lead - cached >= SHARED_PREFIX_MIN_TOKENS else 0
+
+    def _share(self, snapshot: KVState) -> None:
+        """A prompt prefix was prefilled: its KV state serves the requests that
+        waited for it, and later ones."""
+        prefix = tuple(snapshot.tokens)
+        followers = self._pending.pop(prefix, [])
+        self._save_cache(
+            self._generation, snapshot.cache, prefix, max(1, len(followers))
+        )
+        if followers:
+            logger.info(
+                "a %d-token prefix was prefilled once for %d more requests",
+                len(prefix),
+                len(followers),
+            )
+        self._waiting[:0] = followers
+
+    def _admit(
+        self, request: GenerationRequest, stream: RequestStream, lead: int = 0
+    ) -> None:
         if stream.cancelled:
             return
         if self._loaded is None:
@@ -380,7 +466,7 @@ class Engine:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
         try:
-            seq = self._start(request, stream)
+            seq = self._start(request, stream, lead)
         except Exception as e:
             logger.exception("could not start a generation")
             stream.put(e)
@@ -392,7 +478,9 @@ class Engine:
             seq.reused,
         )
 
-    def _start(self, request: GenerationRequest, stream: RequestStream) -> _Sequence:
+    def _start(
+        self, request: GenerationRequest, stream: RequestStream, lead: int
+    ) -> _Sequence:
         info = self.info
         capabilities = self._decoder.capabilities
         if request.logprobs is not None and not capabilities.logprobs:
@@ -408,6 +496,14 @@ class Engine:
             request, info.tokenizer, info.markers, info.token_bytes, grammar
         )
         kv_cache, rest = self._fetch_cache(request.prompt)
+        prompt = request.prompt
+        snapshots = []
+        if capabilities.prefix_snapshots and info.options.prefix_sharing:
+            # The shared prefix for those that arrived with it, and the prompt once
+            # prefilled, for those that come while it generates.
+            snapshots = [n for n in (lead,) if n > len(prompt) - len(rest)]
+            if len(rest) > SHARED_PREFIX_MIN_TOKENS:
+                snapshots = sorted({*snapshots, len(prompt) - 1})
         key = self._decoder.add(
             NewSequence(
                 prompt=request.prompt,
@@ -419,8 +515,12 @@ class Engine:
                 logprobs=request.logprobs,
                 history=request.sampling.repetition_context_size,
                 cancelled=lambda: stream.cancelled,
+                snapshots=tuple(snapshots),
             )
         )
+        for n in snapshots:
+            self._pending.setdefault(prompt[:n], [])
+        self._prefixes[key] = [prompt[:n] for n in snapshots]
         reused = len(request.prompt) - len(rest)
         return _Sequence(key, request, stream, reply, reused, self._free_slot())
 
@@ -434,6 +534,9 @@ class Engine:
         kept = self._decoder.remove(seq.key)
         state = state or kept
         del self._sequences[seq.key]
+        for prefix in self._prefixes.pop(seq.key, ()):
+            # Prefill ended early: whoever waited for it starts on its own.
+            self._waiting[:0] = self._pending.pop(prefix, [])
         if state is not None:
             self._save_cache(seq.request.model_generation, state.cache, state.tokens)
         final = seq.reply.finished
@@ -472,14 +575,18 @@ class Engine:
         self._prefilled_tokens += len(rest)
         return kv_cache, tuple(rest)
 
-    def _save_cache(self, generation: int, kv_cache: list, tokens) -> None:
-        """Keep a KV cache for the next request to reuse."""
+    def _save_cache(
+        self, generation: int, kv_cache: list, tokens, holders: int = 1
+    ) -> None:
+        """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
         # Cancelled prefill keeps whole chunks, so the offset can fall short.
         length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
         if length > 1:
             # Evaluated now: a lazy slice would pin the whole batch's KV buffers.
             mx.eval([layer.state for layer in kv_cache])
-            self._prompt_cache.insert_cache(generation, list(tokens[:length]), kv_cache)
+            self._prompt_cache.insert_cache(
+                generation, list(tokens[:length]), kv_cache, holders
+            )
 
     # -- embeddings, scores and control work --------------------------------
 
@@ -513,9 +620,13 @@ class Engine:
     def _abort_all(self, reason: str, keep_decoder: bool = True) -> None:
         # Unload clears the cache, shutdown ends it, and a failed loop's state
         # is suspect: nothing here is worth keeping.
-        for seq in self._sequences.values():
-            seq.stream.put(Aborted(reason))
+        waiting = self._waiting + [m for f in self._pending.values() for m in f]
+        for stream in [m.stream for m in waiting] + [
+            seq.stream for seq in self._sequences.values()
+        ]:
+            stream.put(Aborted(reason))
         self._sequences.clear()
+        self._waiting, self._pending, self._prefixes = [], {}, {}
         self._jobs.abort(Aborted(reason))
         # Tell the handlers now: an unload may be followed by a long load.
         self._outbox.flush()

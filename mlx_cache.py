@@ -115,25 +115,30 @@ class ThreadSafeLRUPromptCache:
             return None, tokens
 
     def insert_cache(
-        self, model_key: Hashable, tokens: Sequence[int], prompt_cache: list
+        self,
+        model_key: Hashable,
+        tokens: Sequence[int],
+        prompt_cache: list,
+        holders: int = 1,
     ) -> None:
         """Keep ``prompt_cache`` as the KV state of ``tokens``.
 
-        Inserting tokens that are already cached counts one more holder of that
-        entry instead of storing a second copy.
+        Inserting tokens that are already cached counts more holders of that entry
+        instead of storing a second copy. An entry with ``holders`` holders serves
+        that many fetches of its exact tokens or of longer prompts before it leaves.
         """
         key = (model_key, tuple(tokens))
         nbytes = cache_nbytes(prompt_cache)
         with self._lock:
             entry = self._lru.get(key)
             if entry is not None:
-                entry.count += 1
+                entry.count += holders
                 self._lru.move_to_end(key)
                 return
             if nbytes > self.max_bytes or self.max_size < 1:
                 logger.debug("not caching %d tokens (%d bytes)", len(tokens), nbytes)
                 return
-            entry = _Entry(prompt_cache, nbytes)
+            entry = _Entry(prompt_cache, nbytes, holders)
             self._trie.add(model_key, key[1], entry)
             self._lru[key] = entry
             self._nbytes += nbytes
@@ -145,6 +150,20 @@ class ThreadSafeLRUPromptCache:
                 old_key, old = self._lru.popitem(last=False)
                 self._trie.pop(*old_key)
                 self._nbytes -= old.nbytes
+
+    def cached_length(self, model_key: Hashable, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` a fetch would serve; takes nothing."""
+        tokens = list(tokens)
+        with self._lock:
+            found = self._trie.search(model_key, tokens)
+            if found.exact is not None:
+                return len(tokens)
+            shorter = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > max(shorter, 1):
+                entry = self._lru[(model_key, tuple(found.longer))]
+                if self._can_trim is not None and self._can_trim(entry.prompt_cache):
+                    return found.common_prefix
+            return shorter
 
     def clear(self) -> None:
         with self._lock:

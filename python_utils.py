@@ -44,6 +44,8 @@ class LoadOptions:
     embedding_pooling: str = "mean"
     # Replies a stream may hold unread by its client before it is ended.
     max_stream_backlog: int = 256
+    # Requests that share a long prompt prefix prefill it once (engine.py).
+    prefix_sharing: bool = True
 
 
 _TRUE = {"1", "true", "yes", "on"}

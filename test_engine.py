@@ -23,7 +23,7 @@ from conftest import (
     make_forcing_processor,
 )
 from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
-from engine import Engine
+from engine import Engine, common_length
 from errors import Aborted, FailedPrecondition
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
@@ -405,3 +405,159 @@ def test_rotating_kv_caches_are_reused_until_they_wrap():
         assert stats_after(engine)["prompt_cache_reused_tokens"] == 0
     finally:
         engine.shutdown()
+
+
+# -- shared prefixes ----------------------------------------------------------------
+
+BAKERY = "You are a patient assistant for a small bakery in Lyon. " * 16
+LIBRARY = "You answer questions about the opening hours of a public library. " * 14
+BAKERY_QUESTIONS = ("Do you sell bread?", "When do you open?", "Where are you?")
+
+
+def system_prompt(engine: Engine, system: str, question: str) -> tuple[int, ...]:
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question},
+    ]
+    tokenizer = engine.info.tokenizer
+    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each prompt's greedy reply alone, with neither prompt cache nor sharing."""
+    engine = load_engine("max_cache_entries:0", "prefix_sharing:false")
+    replies: dict[tuple[int, ...], str] = {}
+
+    def reply_to(prompt: tuple[int, ...]) -> str:
+        if prompt not in replies:
+            request = GenerationRequest(
+                prompt=prompt, max_tokens=12, model_generation=engine.info.generation
+            )
+            replies[prompt] = text_of(run(engine, request)[0])
+        return replies[prompt]
+
+    yield reply_to
+    engine.shutdown()
+
+
+@pytest.fixture
+def sharing():
+    engine = load_engine()
+    yield engine
+    engine.shutdown()
+
+
+def burst(engine: Engine, prompts, cancel_first: bool = False) -> list[list]:
+    """The prompts' events, submitted at once; the first one cancelled once its
+    prefill has started, when asked."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        streams = [
+            engine.submit(
+                GenerationRequest(
+                    prompt=p, max_tokens=12, model_generation=engine.info.generation
+                ),
+                loop,
+            )
+            for p in prompts
+        ]
+
+        async def drain(stream):
+            return [event async for event in stream]
+
+        tasks = [asyncio.ensure_future(drain(s)) for s in streams]
+        if cancel_first:
+            while engine.stats.active == 0:
+                await asyncio.sleep(0.005)
+            streams[0].cancel()
+            tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=cancel_first)
+
+    return asyncio.run(main())
+
+
+def test_a_burst_prefills_its_shared_prefix_once(sharing, reference, caplog):
+    caplog.set_level(logging.INFO, logger="engine")
+    prompts = [system_prompt(sharing, BAKERY, q) for q in BAKERY_QUESTIONS]
+    prompts.append(system_prompt(sharing, BAKERY, "Do you sell cakes?"))
+    # What each later prompt shares with the first, which prefills it.
+    shared = [common_length(prompts[0], p) for p in prompts[1:]]
+    assert min(shared) > 150
+    replies = burst(sharing, prompts)
+    assert [text_of(r) for r in replies] == [reference(p) for p in prompts]
+    stats = stats_after(sharing)
+    # The first prompt whole, then each other prompt's own tokens.
+    assert stats["prompt_tokens_prefilled"] == sum(map(len, prompts)) - sum(shared)
+    assert stats["prompt_cache_reused_tokens"] == sum(shared)
+    assert "prefix was prefilled once for 3 more requests" in caplog.text
+    assert all(r[-1].prompt_tokens == len(p) for r, p in zip(replies, prompts))
+
+
+def test_sharing_off_prefills_every_prompt(reference):
+    engine = load_engine("prefix_sharing:false")
+    try:
+        prompts = [system_prompt(engine, BAKERY, q) for q in BAKERY_QUESTIONS]
+        replies = burst(engine, prompts)
+        assert [text_of(r) for r in replies] == [reference(p) for p in prompts]
+        assert stats_after(engine)["prompt_tokens_prefilled"] == sum(map(len, prompts))
+    finally:
+        engine.shutdown()
+
+
+def test_cancel_then_resend_reuses_all_but_the_new_tokens(sharing):
+    first, second = (system_prompt(sharing, BAKERY, q) for q in BAKERY_QUESTIONS[:2])
+
+    async def cancel_then_resend():
+        loop = asyncio.get_running_loop()
+        stream = sharing.submit(
+            GenerationRequest(
+                prompt=first, max_tokens=200, model_generation=sharing.info.generation
+            ),
+            loop,
+        )
+        async for _ in stream:
+            break  # the first token: the user presses stop and asks again
+        stream.cancel()
+        resent = sharing.submit(
+            GenerationRequest(
+                prompt=second, max_tokens=4, model_generation=sharing.info.generation
+            ),
+            loop,
+        )
+        before = sharing.stats.memory["prompt_cache_reused_tokens"]
+        events = [event async for event in resent]
+        return before, events
+
+    before, events = asyncio.run(cancel_then_resend())
+    reused = stats_after(sharing)["prompt_cache_reused_tokens"] - before
+    assert reused == common_length(first, second)
+    assert isinstance(events[-1], Finished)
+
+
+def test_cancelling_the_member_that_prefills_the_prefix(reference):
+    engine = load_engine("prefill_step_size:32")
+    try:
+        prompts = [system_prompt(engine, BAKERY, q) for q in BAKERY_QUESTIONS]
+        cancelled, *replies = burst(engine, prompts, cancel_first=True)
+        assert isinstance(cancelled, BaseException)
+        assert [text_of(r) for r in replies] == [reference(p) for p in prompts[1:]]
+    finally:
+        engine.shutdown()
+
+
+def test_mixed_bursts_share_within_each_group(sharing, reference):
+    groups = [
+        [system_prompt(sharing, BAKERY, q) for q in BAKERY_QUESTIONS[:2]],
+        [system_prompt(sharing, LIBRARY, q) for q in ("Open on Sunday?", "Late?")],
+    ]
+    alone = chat_prompt(sharing, "Name three colors.")
+    prompts = [groups[0][0], groups[1][0], alone, groups[0][1], groups[1][1]]
+    replies = burst(sharing, prompts)
+    assert [text_of(r) for r in replies] == [reference(p) for p in prompts]
+    shared = [common_length(*group) for group in groups]
+    assert min(shared) > 150
+    assert stats_after(sharing)["prompt_tokens_prefilled"] == sum(
+        map(len, prompts)
+    ) - sum(shared)

@@ -269,3 +269,32 @@ def test_bounds_are_kept_with_any_limits(bad):
     cache = make_cache(max_size=3, max_bytes=max(bad, 0))
     cache.insert_cache("m", [1, 2], fake([1, 2]))
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_an_entry_with_holders_serves_that_many_fetches():
+    cache = make_cache()
+    entry = fake([1, 2, 3])
+    cache.insert_cache("m", [1, 2, 3], entry, holders=3)
+    copies = [cache.fetch_nearest_cache("m", [1, 2, 3, 9 + i]) for i in range(3)]
+    assert [rest for _, rest in copies] == [[9], [10], [11]]
+    # The first two are copies; the last holder takes the entry itself.
+    assert copies[0][0] is not entry and copies[0][0][0].tokens == [1, 2, 3]
+    assert copies[2][0] is entry and len(cache) == 0
+    assert cache.fetch_nearest_cache("m", [1, 2, 3, 4]) == (None, [1, 2, 3, 4])
+
+
+def test_cached_length_peeks_without_taking():
+    cache = make_cache()
+    assert cache.cached_length("m", [1, 2, 3]) == 0
+    cache.insert_cache("m", [1, 2, 3, 4], fake([1, 2, 3, 4]))
+    assert cache.cached_length("m", [1, 2, 3, 4]) == 4  # exact
+    assert cache.cached_length("m", [1, 2, 3, 4, 5]) == 4  # shorter entry
+    assert cache.cached_length("m", [1, 2, 7]) == 2  # a longer entry, trimmed
+    assert cache.cached_length("m", [1, 9]) == 0  # one token is no match
+    assert cache.cached_length("other", [1, 2, 3, 4]) == 0
+    assert len(cache) == 1
+    found, rest = cache.fetch_nearest_cache("m", [1, 2, 7])
+    assert found[0].tokens == [1, 2] and rest == [7]
+    untrimmable = make_cache()
+    untrimmable.insert_cache("m", [1, 2, 3, 4], fake([1, 2, 3, 4], trimmable=False))
+    assert untrimmable.cached_length("m", [1, 2, 7]) == 0
