@@ -352,8 +352,14 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     @grpc_errors
     async def GetMetrics(self, request, context):
         metrics = self.engine.last_metrics
+        # The proto has no speculation fields: the counts travel as JSON here.
+        speculation = {
+            "draft_tokens_proposed": metrics.draft_tokens_proposed,
+            "draft_tokens_accepted": metrics.draft_tokens_accepted,
+        }
         return backend_pb2.MetricsResponse(
             slot_id=metrics.slot_id,
+            prompt_json_for_slot=json.dumps(speculation),
             tokens_per_second=metrics.tokens_per_second,
             tokens_generated=metrics.tokens_generated,
             prompt_tokens_processed=metrics.prompt_tokens_processed,

@@ -5,6 +5,7 @@ the helpers with ``from conftest import ...``. Run as a script, this file is the
 backend with ``ForcingServicer``: the process ``Server(forcing=True)`` starts.
 """
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -25,8 +26,11 @@ import pytest
 import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import BackendServicer, main
+from chat_output import merge_deltas
 from cpu_path import blas_choice_environment, fast_blas_in_use
+from engine import Engine
 from model_loading import ModelInfo, default_model_path
+from python_utils import parse_options
 from request_parsing import GenerationRequest
 
 HERE = Path(__file__).resolve().parent
@@ -263,6 +267,74 @@ class ForcingServicer(BackendServicer):
         eos = min(info.tokenizer.eos_token_ids)
         force = make_forcing_processor(json.loads(text), eos)
         return dataclasses.replace(parsed, processors=parsed.processors + (force,))
+
+
+# -- in-process engine tests -----------------------------------------------
+
+
+def load_engine(*options: str) -> Engine:
+    engine = Engine()
+    engine.load("", parse_options(list(options)), 0, identity="default").result()
+    return engine
+
+
+def chat_prompt(engine: Engine, text: str = QUESTION) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": text}]
+    tokenizer = engine.info.tokenizer
+    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def generation(engine: Engine, text: str = QUESTION, **fields) -> GenerationRequest:
+    fields.setdefault("max_tokens", 32)
+    return GenerationRequest(
+        prompt=chat_prompt(engine, text),
+        model_generation=engine.info.generation,
+        **fields,
+    )
+
+
+async def collect(engine: Engine, parsed: GenerationRequest) -> list:
+    """Every event of one generation; an error ends the list instead of raising."""
+    events = []
+    try:
+        async for event in engine.submit(parsed, asyncio.get_running_loop()):
+            events.append(event)
+    except Exception as e:
+        events.append(e)
+    return events
+
+
+def run(engine: Engine, *requests: GenerationRequest) -> list[list]:
+    """The requests' events, submitted together so that they share steps."""
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def text_of(events: list) -> str:
+    return merge_deltas(e.delta for e in events).content
+
+
+def wait_idle(engine: Engine, turns: int = 200) -> None:
+    """Until the engine thread has retired every sequence (each call is a turn)."""
+    for _ in range(turns):
+        engine.call(lambda: None).result(60)
+        if engine.stats.active == 0:
+            return
+    raise AssertionError(f"{engine.stats.active} sequences still active")
+
+
+def stats_after(engine: Engine) -> dict[str, int]:
+    """Status figures once every sequence is retired."""
+    wait_idle(engine)
+    return engine.stats.memory
+
+
+def on_engine_thread(engine: Engine, fn):
+    """``fn(model, options)`` on the engine thread, which owns the MLX objects."""
+    return engine.call(lambda: fn(engine._loaded.model, engine.info.options)).result()
 
 
 if __name__ == "__main__":

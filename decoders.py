@@ -80,6 +80,8 @@ class NewSequence:
     # Prompt lengths whose KV state is handed back as prefill passes them
     # (``StepResult.snapshots``), where the decoder can.
     snapshots: tuple[int, ...] = ()
+    # Proposed tokens a step may verify, where the decoder speculates (0: none).
+    draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class StepResult:
     error: Exception | None = None
     # Copies of the KV state of the prompt prefixes that prefill passed this step.
     snapshots: tuple[KVState, ...] = ()
+    # Speculative decoding: tokens proposed this step, and how many the model kept.
+    proposed: int = 0
+    accepted: int = 0
 
 
 class Decoder(ABC):
@@ -107,6 +112,9 @@ class Decoder(ABC):
     # Steps that decoded sequences together, and the tokens they made.
     batch_steps = 0
     batch_tokens = 0
+    # Speculative decoding: tokens proposed, and those the model kept.
+    draft_proposed = 0
+    draft_accepted = 0
 
     @abstractmethod
     def add(self, sequence: NewSequence) -> int:
@@ -384,7 +392,7 @@ class SingleDecoder(Decoder):
         self._rows.clear()
 
 
-def make_decoder(model: nn.Module, options: LoadOptions) -> Decoder:
+def make_plain_decoder(model: nn.Module, options: LoadOptions) -> Decoder:
     """The decoder for a loaded model: batched when its KV caches can be merged."""
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options.max_kv_size))
     why = unbatchable_reason(model, options.max_kv_size)

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from cpu_path import physical_memory
-from decoders import Decoder, KVState, NewSequence, StepResult, make_decoder
+from decoders import Decoder, KVState, NewSequence, StepResult
 from errors import Aborted, BackendError, FailedPrecondition, ResourceExhausted
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import make_kv_cache, memory_snapshot, release_memory
@@ -31,6 +31,7 @@ from reply_pipeline import Finished, Output, ReplyPipeline
 from request_parsing import GenerationRequest
 from sampling import make_request_processors, make_request_sampler
 from score_embedding import EmbeddingRequest, JobQueue, ScoreRequest
+from speculative import make_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class RequestMetrics:
     tokens_per_second: float = 0.0
     prompt_tokens_processed: int = 0
     slot_id: int = 0
+    # Speculative decoding: tokens proposed for the request, and those kept.
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,8 @@ class _Sequence:
     # Prompt tokens served from the prompt cache, and the slot number it holds.
     reused: int
     slot: int
+    proposed: int = 0
+    accepted: int = 0
 
 
 class Engine:
@@ -374,6 +380,8 @@ class Engine:
                 continue
             for snapshot in result.snapshots:
                 self._share(snapshot)
+            seq.proposed += result.proposed
+            seq.accepted += result.accepted
             if seq.stream.cancelled:  # during the step
                 self._cancel(seq, result.state)
                 continue
@@ -504,6 +512,11 @@ class Engine:
             snapshots = [n for n in (lead,) if n > len(prompt) - len(rest)]
             if len(rest) > SHARED_PREFIX_MIN_TOKENS:
                 snapshots = sorted({*snapshots, len(prompt) - 1})
+        # Only processors that depend on nothing but the tokens can run at
+        # proposed positions: grammars and extra hooks keep their own state.
+        draft_tokens = 0
+        if request.grammar is None and not request.processors:
+            draft_tokens = request.draft_tokens or info.options.num_draft_tokens
         key = self._decoder.add(
             NewSequence(
                 prompt=request.prompt,
@@ -516,6 +529,7 @@ class Engine:
                 history=request.sampling.repetition_context_size,
                 cancelled=lambda: stream.cancelled,
                 snapshots=tuple(snapshots),
+                draft_tokens=draft_tokens,
             )
         )
         for n in snapshots:
@@ -550,6 +564,8 @@ class Engine:
                 ),
                 prompt_tokens_processed=len(seq.request.prompt) - seq.reused,
                 slot_id=seq.slot,
+                draft_tokens_proposed=seq.proposed,
+                draft_tokens_accepted=seq.accepted,
             )
         if not self._sequences:
             self._publish()
@@ -654,6 +670,8 @@ class Engine:
             prompt_tokens_prefilled=self._prefilled_tokens,
             batch_decode_steps=decoder.batch_steps if decoder else 0,
             batch_decode_tokens=decoder.batch_tokens if decoder else 0,
+            draft_tokens_proposed=decoder.draft_proposed if decoder else 0,
+            draft_tokens_accepted=decoder.draft_accepted if decoder else 0,
         )
         self.stats = EngineStats(state, len(self._sequences), memory)
 

@@ -46,6 +46,12 @@ class LoadOptions:
     max_stream_backlog: int = 256
     # Requests that share a long prompt prefix prefill it once (engine.py).
     prefix_sharing: bool = True
+    # Speculative decoding (speculative.py): "auto", "ngram" or "off"; proposed
+    # tokens verified per step at most, and the n-gram sizes prompt lookup matches.
+    speculative: str = "auto"
+    num_draft_tokens: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -108,11 +114,17 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "max_kv_size",
         "dequantize_max_bytes",
         "max_stream_backlog",
+        "ngram_min",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 1:
             raise InvalidArgument(f"Options: {name} must be at least 1")
-    for name in ("max_tokens", "max_cache_entries", "max_cache_bytes"):
+    for name in (
+        "max_tokens",
+        "max_cache_entries",
+        "max_cache_bytes",
+        "num_draft_tokens",
+    ):
         value = getattr(parsed, name)
         if value is not None and value < 0:
             raise InvalidArgument(f"Options: {name} must not be negative")
@@ -120,6 +132,16 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         value = getattr(parsed, name)
         if value is not None:
             check_sampling(f"Options: {name}", name, value)
+    if parsed.speculative not in SPECULATIVE_MODES:
+        raise InvalidArgument(
+            f"Options: speculative must be one of {', '.join(SPECULATIVE_MODES)}"
+        )
+    if parsed.num_draft_tokens > MAX_DRAFT_TOKENS:
+        raise InvalidArgument(
+            f"Options: num_draft_tokens must be at most {MAX_DRAFT_TOKENS}"
+        )
+    if parsed.ngram_max < parsed.ngram_min:
+        raise InvalidArgument("Options: ngram_max must be at least ngram_min")
     if parsed.embedding_pooling not in EMBEDDING_POOLINGS:
         raise InvalidArgument(
             f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"
@@ -149,6 +171,9 @@ def check_sampling(field: str, name: str, value: float) -> float:
 
 
 EMBEDDING_POOLINGS = ("mean", "last")
+SPECULATIVE_MODES = ("auto", "ngram", "off")
+# Proposed tokens one step may verify, at most (LoadModel option and NDraft).
+MAX_DRAFT_TOKENS = 32
 # OpenAI's limit on alternatives per token.
 MAX_TOP_LOGPROBS = 20
 

@@ -8,6 +8,7 @@ from errors import FailedPrecondition, InvalidArgument
 from grammar import CompiledGrammar
 from model_loading import ModelInfo
 from python_utils import (
+    MAX_DRAFT_TOKENS,
     TemplateArgs,
     check_sampling,
     convert_messages,
@@ -52,6 +53,8 @@ class GenerationRequest:
     # Logits processors run after the request's own, the grammar included: a hook
     # for constraints that no request field expresses (tests force tokens with it).
     processors: tuple[Callable, ...] = ()
+    # Proposed tokens a speculative step may verify (NDraft); None: the load option.
+    draft_tokens: int | None = None
     # The load the prompt was tokenized for; a request for a replaced model is refused.
     model_generation: int = 0
 
@@ -151,6 +154,8 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
             f"context size of {info.context_size} tokens"
         )
     limit = request.Tokens if request.Tokens > 0 else info.options.max_tokens
+    if not 0 <= request.NDraft <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument(f"NDraft must be between 0 and {MAX_DRAFT_TOKENS}")
     return GenerationRequest(
         prompt=tuple(prompt),
         max_tokens=min(limit or room, room),
@@ -160,6 +165,7 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
         output=parse_output(request, info, prompt, args),
         logprobs=parse_logprobs(request.Logprobs, request.TopLogprobs),
         grammar=info.grammars.compile(request.Grammar) if request.Grammar else None,
+        draft_tokens=request.NDraft or None,
         model_generation=info.generation,
     )
 

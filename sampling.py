@@ -17,34 +17,65 @@ from grammar import GrammarState, make_grammar_processor
 from request_parsing import GenerationRequest
 
 
+class SeededSampler:
+    """A sampler like mlx-lm's ``make_sampler`` that draws from its own RNG key.
+
+    Token ``position`` of a reply is drawn with the position-th key split off the
+    seed's, so a seeded request is deterministic whatever else runs, the global
+    RNG is never touched, and speculative decoding, which samples several
+    positions in one call and may discard some, draws what plain decoding draws.
+    """
+
+    def __init__(self, temperature, top_p, min_p, top_k, seed: int):
+        self._filters = []
+        if 0 < top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, top_p))
+        if min_p > 0:
+            self._filters.append(lambda x: apply_min_p(x, min_p, 1))
+        if top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, top_k))
+        self._scale = 1.0 / temperature
+        self._key = mx.random.key(seed)
+        # The keys of positions ``_first`` on, as far as they were split off.
+        self._keys: list[mx.array] = []
+        self._first = 0
+        # The position of the next token drawn; a row of ``logprobs`` per position.
+        self.position = 0
+
+    def _key_at(self, position: int) -> mx.array:
+        while self._first + len(self._keys) <= position:
+            self._key, key = mx.random.split(self._key)
+            self._keys.append(key)
+        return self._keys[position - self._first]
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        # Positions before this one are never drawn again.
+        done = self.position - self._first
+        del self._keys[:done]
+        self._first += done
+        for apply in self._filters:
+            logprobs = apply(logprobs)
+        logits = logprobs * self._scale
+        drawn = [
+            mx.random.categorical(
+                logits[i : i + 1], key=self._key_at(self.position + i)
+            )
+            for i in range(logits.shape[0])
+        ]
+        self.position += len(drawn)
+        return drawn[0] if len(drawn) == 1 else mx.concatenate(drawn)
+
+
 def make_seeded_sampler(
     temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None
 ):
-    """A sampler like mlx-lm's ``make_sampler`` that draws from its own RNG key.
-
-    Each call splits the key, so a seeded request is deterministic whatever else
-    runs, and the global RNG is never touched. ``seed=None`` draws a fresh key.
-    """
+    """The request's sampler: greedy at temperature 0, else a ``SeededSampler``
+    (``seed=None`` draws a fresh seed)."""
     if temperature <= 0:
         return greedy_sampler
-    filters = []
-    if 0 < top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, top_p))
-    if min_p > 0:
-        filters.append(lambda x: apply_min_p(x, min_p, 1))
-    if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
-    key = mx.random.key(secrets.randbits(32) if seed is None else seed)
-    scale = 1.0 / temperature
-
-    def sampler(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, subkey = mx.random.split(key)
-        for apply in filters:
-            logprobs = apply(logprobs)
-        return mx.random.categorical(logprobs * scale, key=subkey)
-
-    return sampler
+    if seed is None:
+        seed = secrets.randbits(32)
+    return SeededSampler(temperature, top_p, min_p, top_k, seed)
 
 
 def make_processors(

@@ -767,6 +767,14 @@ def test_prompt_tokens_count_the_whole_prompt_on_a_hit(server):
     assert cold.prompt_tokens_processed > 1 and warm.prompt_tokens_processed == 1
     assert warm.tokens_generated == again.tokens == 8
     assert warm.tokens_per_second > 0
+    # Speculation counts, as JSON: the proto has no fields for them.
+    speculation = json.loads(warm.prompt_json_for_slot)
+    assert set(speculation) == {"draft_tokens_proposed", "draft_tokens_accepted"}
+    assert (
+        0
+        <= speculation["draft_tokens_accepted"]
+        <= speculation["draft_tokens_proposed"]
+    )
 
 
 def test_internal_errors_map_to_internal():

@@ -13,20 +13,26 @@ import logging
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
-from chat_output import merge_deltas
 from conftest import (
     ANSWER,
     ANSWER_PIECES,
     PERSON_SCHEMA,
     QUESTION,
+    chat_prompt,
     check_person,
+    generation,
+    load_engine,
     make_forcing_processor,
+    on_engine_thread,
+    run,
+    stats_after,
+    text_of,
+    wait_idle,
 )
 from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
 from engine import Engine, common_length
 from errors import Aborted, FailedPrecondition
 from mlx_utils import make_kv_cache
-from python_utils import parse_options
 from reply_pipeline import Finished, Output
 from request_parsing import GenerationRequest, SamplingParams
 
@@ -35,76 +41,11 @@ QUESTIONS = (QUESTION, "Name three colors.", "Write a short poem about the sea."
 SINGLE = ("max_kv_size:4096",)
 
 
-def load_engine(*options: str) -> Engine:
-    engine = Engine()
-    engine.load("", parse_options(list(options)), 0, identity="default").result()
-    return engine
-
-
 @pytest.fixture(scope="module", params=["batched", "single"])
 def engine(request):
     engine = load_engine(*(SINGLE if request.param == "single" else ()))
     yield engine
     engine.shutdown()
-
-
-def chat_prompt(engine: Engine, text: str = QUESTION) -> tuple[int, ...]:
-    messages = [{"role": "user", "content": text}]
-    tokenizer = engine.info.tokenizer
-    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
-def generation(engine: Engine, text: str = QUESTION, **fields) -> GenerationRequest:
-    fields.setdefault("max_tokens", 32)
-    return GenerationRequest(
-        prompt=chat_prompt(engine, text),
-        model_generation=engine.info.generation,
-        **fields,
-    )
-
-
-async def collect(engine: Engine, parsed: GenerationRequest) -> list:
-    """Every event of one generation; an error ends the list instead of raising."""
-    events = []
-    try:
-        async for event in engine.submit(parsed, asyncio.get_running_loop()):
-            events.append(event)
-    except Exception as e:
-        events.append(e)
-    return events
-
-
-def run(engine: Engine, *requests: GenerationRequest) -> list[list]:
-    """The requests' events, submitted together so that they share steps."""
-
-    async def main():
-        return await asyncio.gather(*(collect(engine, r) for r in requests))
-
-    return asyncio.run(main())
-
-
-def text_of(events: list) -> str:
-    return merge_deltas(e.delta for e in events).content
-
-
-def wait_idle(engine: Engine, turns: int = 200) -> None:
-    """Until the engine thread has retired every sequence (each call is a turn)."""
-    for _ in range(turns):
-        engine.call(lambda: None).result(60)
-        if engine.stats.active == 0:
-            return
-    raise AssertionError(f"{engine.stats.active} sequences still active")
-
-
-def stats_after(engine: Engine) -> dict[str, int]:
-    """Status figures once every sequence is retired."""
-    wait_idle(engine)
-    return engine.stats.memory
-
-
-def on_engine_thread(engine: Engine, fn):
-    """``fn(model, options)`` on the engine thread, which owns the MLX objects."""
-    return engine.call(lambda: fn(engine._loaded.model, engine.info.options)).result()
 
 
 def test_greedy_answer(engine):

@@ -135,6 +135,11 @@ def test_parse_options_ignores_unknown_keys():
         ("frequency_penalty:-3", "frequency_penalty"),
         ("penalty:inf", "repetition_penalty"),
         ("max_stream_backlog:0", "max_stream_backlog"),
+        ("speculative:maybe", "speculative"),
+        ("num_draft_tokens:33", "num_draft_tokens"),
+        ("num_draft_tokens:-1", "num_draft_tokens"),
+        ("ngram_min:0", "ngram_min"),
+        ("ngram_min:5", "ngram_max"),
     ],
 )
 def test_parse_options_rejects_bad_values(entry, message):

@@ -33,6 +33,7 @@ from score_embedding import (
     ScoreRequest,
     score_continuations,
 )
+from speculative import NgramProposer, best_draft_length
 
 YES_NO = 'root ::= "yes" | "no"'
 SENTENCE = 'root ::= "The answer is " ("yes" | "no") "."'
@@ -633,3 +634,31 @@ def test_gather_logprobs_of_one_row_in_model_precision(logprob_rows):
     ((value, best),) = gather_logprobs([row], [9], 3)
     assert value == float(exact[9])
     assert [i for i, _ in best] == np.argsort(-exact, kind="stable")[:3].tolist()
+
+
+def test_ngram_proposer_prefers_the_longest_latest_match():
+    proposer = NgramProposer(2, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # The 3-gram (1, 2, 3) was followed by 4; the 2-gram (2, 3) last by 7.
+    assert proposer.propose(tokens, 3) == [4, 5, 9]
+    tokens += [6, 2, 3]
+    assert proposer.propose(tokens, 2) == [6, 2]
+    assert proposer.propose(tokens + [42], 4) == []
+    # Near the end the continuation is what there is.
+    assert NgramProposer(1, 1).propose([5, 6, 5], 4) == [6, 5]
+
+
+@pytest.mark.parametrize(
+    "rate, costs, available, expected",
+    [
+        (0.9, (1.0, 1.1, 1.2, 1.3), 3, 3),
+        (0.9, (1.0, 1.1, 1.2, 1.3), 1, 1),
+        (0.05, (1.0, 1.1, 1.2, 1.3), 3, 0),
+        # Passes over several tokens cost as much as that many single ones.
+        (0.9, (1.0, 2.0, 3.0, 4.0), 3, 0),
+        (0.5, (1.0, 1.1, 1.2, 3.0), 3, 2),
+        (0.9, (1.0, 1.1), 5, 1),
+    ],
+)
+def test_best_draft_length(rate, costs, available, expected):
+    assert best_draft_length(rate, costs, available) == expected
