@@ -233,6 +233,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             options,
             request.ContextSize,
             identity=request.Model,
+            draft=request.DraftModel,
             model_file=request.ModelFile,
             model_path=request.ModelPath,
             adapter=request.LoraAdapter or None,

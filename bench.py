@@ -16,6 +16,9 @@
 5. Shared prefixes (bench_prefix.py): bursts of 8 and 16 chats with one ~1000-token
    system prompt, with prefix sharing on, off, and on mlx_lm.server: time to first
    token and wall time; and a cancel-then-resend's TTFT against a cold start.
+6. Speculative decoding (bench_speculative.py): decode tok/s with n-gram prompt
+   lookup on and off for a copy-heavy and an open-ended stream, aggregate tok/s of
+   8 mixed streams, the acceptance rate, and the copy stream on mlx_lm.server.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json.
@@ -39,6 +42,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import backend_pb2 as pb
 from bench_batching import bench_batching, percentile
 from bench_prefix import bench_prefix
+from bench_speculative import bench_speculative
 from conftest import Server
 from cpu_path import (
     blas_choice_environment,
@@ -360,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only-batching", action="store_true", help="run part 4 only")
     parser.add_argument("--prefix-rounds", type=int, default=1)
     parser.add_argument("--skip-prefix", action="store_true", help="skip part 5")
+    parser.add_argument("--speculative-rounds", type=int, default=5)
+    parser.add_argument("--skip-speculative", action="store_true", help="skip part 6")
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -411,6 +417,16 @@ def main(argv: list[str] | None = None) -> None:
             assert no_sharing.LoadModel(options).success
             report["prefix"], part = bench_prefix(
                 fast, no_sharing, str(exported), folder, args.prefix_rounds
+            )
+            lines += [""] + part
+        if not (args.skip_speculative or args.only_batching):
+            # Two fresh servers, so neither carries the earlier parts' state.
+            speculating = stack.enter_context(running_server())
+            plain = stack.enter_context(running_server())
+            options = pb.ModelOptions(Model="default", Options=["speculative:off"])
+            assert plain.LoadModel(options).success
+            report["speculative"], part = bench_speculative(
+                speculating, plain, str(exported), folder, args.speculative_rounds
             )
             lines += [""] + part
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
 
 import backend_pb2 as pb
 import backend_pb2_grpc
@@ -29,6 +31,7 @@ from backend import BackendServicer, main
 from chat_output import merge_deltas
 from cpu_path import blas_choice_environment, fast_blas_in_use
 from engine import Engine
+from gguf_loader import save_tokenizer
 from model_loading import ModelInfo, default_model_path
 from python_utils import parse_options
 from request_parsing import GenerationRequest
@@ -272,10 +275,54 @@ class ForcingServicer(BackendServicer):
 # -- in-process engine tests -----------------------------------------------
 
 
-def load_engine(*options: str) -> Engine:
+def load_engine(*options: str, draft: str = "") -> Engine:
     engine = Engine()
-    engine.load("", parse_options(list(options)), 0, identity="default").result()
+    engine.load(
+        "", parse_options(list(options)), 0, identity="default", draft=draft
+    ).result()
     return engine
+
+
+def make_tiny_draft(folder: Path, vocabulary_changed: bool = False) -> Path:
+    """A one-layer llama with random weights and the default model's tokenizer: a
+    draft model whose proposals are mostly wrong. ``vocabulary_changed`` adds a
+    token, so its vocabulary differs from the model's."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 2,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config))
+    _, metadata = mx.load(str(default_model_path()), return_metadata=True)
+    save_tokenizer(metadata, folder)
+    if vocabulary_changed:
+        path = folder / "tokenizer.json"
+        tokenizer = json.loads(path.read_text())
+        tokenizer["added_tokens"].append(
+            {
+                "id": 49152,
+                "content": "<draft-only>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+        path.write_text(json.dumps(tokenizer))
+    return folder
 
 
 def chat_prompt(engine: Engine, text: str = QUESTION) -> tuple[int, ...]:

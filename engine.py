@@ -22,10 +22,22 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from cpu_path import physical_memory
 from decoders import Decoder, KVState, NewSequence, StepResult
-from errors import Aborted, BackendError, FailedPrecondition, ResourceExhausted
+from errors import (
+    Aborted,
+    BackendError,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import make_kv_cache, memory_snapshot, release_memory
-from model_loading import LoadedModel, ModelInfo, load_model, prepare_model
+from model_loading import (
+    LoadedModel,
+    ModelInfo,
+    load_draft,
+    load_model,
+    prepare_model,
+)
 from python_utils import LoadOptions
 from reply_pipeline import Finished, Output, ReplyPipeline
 from request_parsing import GenerationRequest
@@ -245,13 +257,17 @@ class Engine:
         options: LoadOptions,
         context_size: int,
         identity: str = "",
+        draft: str = "",
         **kwargs,
     ) -> Future:
         """Load ``name``; a failure before its weights load keeps the current model.
 
-        ``identity`` is the ``Model`` string requests' ``ModelIdentity`` must match.
+        ``identity`` is the ``Model`` string requests' ``ModelIdentity`` must match;
+        ``draft`` is ``DraftModel``, the proposer of speculative decoding.
         """
-        return self.call(self._load, name, identity, options, context_size, kwargs)
+        return self.call(
+            self._load, name, identity, draft, options, context_size, kwargs
+        )
 
     def free(self):
         return self.call(self._free)
@@ -688,16 +704,28 @@ class Engine:
         release_memory()
 
     def _load(
-        self, name: str, identity: str, options: LoadOptions, context_size: int, kwargs
+        self,
+        name: str,
+        identity: str,
+        draft_name: str,
+        options: LoadOptions,
+        context_size: int,
+        kwargs,
     ) -> ModelInfo:
         previous = self._state
         self._state = "loading"
         self._publish()
         try:
+            if options.speculative == "draft" and not draft_name:
+                raise InvalidArgument("Options: speculative:draft needs a DraftModel")
             # Resolved and checked beside the running model, which a failure keeps.
             loaded = load_model(
                 name, trust_remote_code=options.trust_remote_code, **kwargs
             )
+            draft = None
+            if draft_name:
+                model_path = kwargs.get("model_path", "")
+                draft = load_draft(draft_name, model_path, loaded, options)
         except Exception:
             self._state = previous
             raise
@@ -706,7 +734,7 @@ class Engine:
             loaded, info = prepare_model(
                 loaded, identity, options, context_size, self._generation + 1
             )
-            decoder = make_decoder(loaded.model, info.options)
+            decoder = make_decoder(loaded.model, info.options, draft)
         except Exception:
             self._state = "error"
             raise

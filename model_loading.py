@@ -144,6 +144,33 @@ def load_model(
     raise ModelLoadError(f"could not load model {model or model_file!r} ({attempts})")
 
 
+def load_draft(
+    name: str, model_path: str, target: LoadedModel, options: LoadOptions
+) -> nn.Module:
+    """Load ``DraftModel``, the proposer of speculative decoding, resolved like
+    ``Model``; ModelLoadError when it can't be loaded or its vocabulary differs
+    from ``target``'s."""
+    try:
+        draft = load_model(
+            name, model_path=model_path, trust_remote_code=options.trust_remote_code
+        )
+    except ModelLoadError as e:
+        raise ModelLoadError(f"DraftModel: {e}") from None
+    ours, theirs = target.tokenizer.vocab, draft.tokenizer.vocab
+    if ours != theirs:
+        differing = len(set(ours.items()) ^ set(theirs.items()))
+        raise ModelLoadError(
+            f"DraftModel: its vocabulary ({len(theirs)} tokens) differs from the "
+            f"model's ({len(ours)} tokens; {differing} entries differ)"
+        )
+    mx.eval(draft.model.parameters())
+    model, _ = prepare_for_cpu(
+        draft.model, options.dequantize, options.dequantize_max_bytes
+    )
+    logger.info("draft model: %s", draft.source)
+    return model
+
+
 def _load_path_or_repo(ref: str, adapter: str | None, trust_remote_code: bool):
     if Path(ref).exists():
         return _load_path(Path(ref), adapter, trust_remote_code)

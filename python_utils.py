@@ -46,7 +46,7 @@ class LoadOptions:
     max_stream_backlog: int = 256
     # Requests that share a long prompt prefix prefill it once (engine.py).
     prefix_sharing: bool = True
-    # Speculative decoding (speculative.py): "auto", "ngram" or "off"; proposed
+    # Speculative decoding (speculative.py): "auto", "ngram", "draft" or "off"; proposed
     # tokens verified per step at most, and the n-gram sizes prompt lookup matches.
     speculative: str = "auto"
     num_draft_tokens: int = 8
@@ -171,7 +171,7 @@ def check_sampling(field: str, name: str, value: float) -> float:
 
 
 EMBEDDING_POOLINGS = ("mean", "last")
-SPECULATIVE_MODES = ("auto", "ngram", "off")
+SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
 # Proposed tokens one step may verify, at most (LoadModel option and NDraft).
 MAX_DRAFT_TOKENS = 32
 # OpenAI's limit on alternatives per token.

@@ -16,7 +16,9 @@ arrives it goes back with its KV cache, and the batch decodes as before.
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,9 +31,8 @@ from sampling import SeededSampler
 
 logger = logging.getLogger(__name__)
 
-# A speculating sequence that goes this many steps without a proposal worth
-# verifying decodes in the batch again, for a number of tokens that doubles each time.
-MISSES_BEFORE_REST = 8
+# A sequence with no proposal worth verifying decodes in the batch again (its
+# pipelined steps beat lone ones), for a number of tokens that doubles each time.
 FIRST_REST_TOKENS = 16
 MAX_REST_TOKENS = 1024
 # Acceptance estimates decay by this factor per verification.
@@ -44,6 +45,9 @@ class NgramProposer:
     Each n-gram maps to where the tokens that followed its latest occurrence start,
     so a proposal costs a few dictionary lookups whatever the sequence's length.
     """
+
+    # Proposals cost nothing: they can be checked against plain decoding's tokens.
+    cheap = True
 
     def __init__(self, n_min: int, n_max: int):
         self._sizes = range(n_max, n_min - 1, -1)
@@ -64,42 +68,112 @@ class NgramProposer:
                 return tokens[start : start + limit]
         return []
 
+    def ready(self, tokens: list[int]) -> bool:
+        """Whether ``propose`` would propose anything."""
+        return bool(self.propose(tokens, 1))
 
-def measure_verify_costs(model: nn.Module, max_draft: int, repeats: int = 2):
+    def rewind(self, accepted: int, proposed: int) -> None:
+        pass
+
+
+class DraftProposer:
+    """Greedy proposals from a small model with the model's vocabulary.
+
+    It keeps its own KV cache of the sequence, catches up on tokens it has not
+    seen (while the sequence decoded in the batch), and is rewound past the
+    proposals the model rejected.
+    """
+
+    cheap = False
+
+    def __init__(self, model: nn.Module, prefill_step_size: int):
+        self._model = model
+        self._step_size = prefill_step_size
+        self._cache: list | None = None
+        # Tokens of the sequence in the draft's KV cache, and proposals fed to it.
+        self._fed = 0
+        self._proposed = 0
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        if limit < 1:
+            return []
+        if self._cache is None:
+            self._cache = make_prompt_cache(self._model)
+        unseen = tokens[self._fed : -1]
+        for start in range(0, len(unseen), self._step_size):
+            chunk = mx.array(unseen[start : start + self._step_size])
+            self._model(chunk[None], cache=self._cache)
+            mx.eval([c.state for c in self._cache])
+        y = mx.array(tokens[-1:])
+        proposals = []
+        for _ in range(limit):
+            y = mx.argmax(self._model(y[None], cache=self._cache)[0, -1:], axis=-1)
+            mx.async_eval(y)
+            proposals.append(y)
+        # Fed: the sequence and every proposal but the last.
+        self._fed, self._proposed = len(tokens), limit - 1
+        return mx.concatenate(proposals).tolist()
+
+    def ready(self, tokens: list[int]) -> bool:
+        return True
+
+    def rewind(self, accepted: int, proposed: int) -> None:
+        """Keep the accepted proposals in the draft's KV cache, drop the rest."""
+        kept = min(accepted, self._proposed)
+        trim_prompt_cache(self._cache, self._proposed - kept)
+        self._fed += kept
+        self._proposed = 0
+
+
+def measure_verify_costs(
+    model: nn.Module, max_draft: int, draft: nn.Module | None = None, repeats: int = 2
+) -> tuple[tuple[float, ...], float]:
     """What a forward pass over 1 + k tokens costs relative to one token, for k
-    up to ``max_draft``: measured on this machine with the loaded model at a few
-    k, linear between them."""
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, 32), mx.uint32), cache=cache))
-    measured = {}
-    for k in sorted({0, 1, 2, 4, max_draft}):
+    up to ``max_draft`` (measured on this machine with the loaded model at a few
+    k, linear between them); and what one token's pass of ``draft`` costs."""
+
+    def seconds(net: nn.Module, cache: list, n: int) -> float:
         samples = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            mx.eval(model(mx.zeros((1, k + 1), mx.uint32), cache=cache))
+            mx.eval(net(mx.zeros((1, n), mx.uint32), cache=cache))
             samples.append(time.perf_counter() - start)
-            trim_prompt_cache(cache, k + 1)
-        measured[k] = statistics.median(samples[1:])
+            trim_prompt_cache(cache, n)
+        return statistics.median(samples[1:])
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 32), mx.uint32), cache=cache))
+    measured = {
+        k: seconds(model, cache, k + 1) for k in sorted({0, 1, 2, 4, max_draft})
+    }
     points = sorted(measured)
     costs = []
     for k in range(max_draft + 1):
         above = next(p for p in points if p >= k)
         below = max(p for p in points if p <= k)
         share = 0 if above == below else (k - below) / (above - below)
-        seconds = measured[below] + share * (measured[above] - measured[below])
-        costs.append(seconds / measured[0])
-    return tuple(costs)
+        pass_seconds = measured[below] + share * (measured[above] - measured[below])
+        costs.append(pass_seconds / measured[0])
+    per_proposal = 0.0
+    if draft is not None:
+        cache = make_prompt_cache(draft)
+        mx.eval(draft(mx.zeros((1, 32), mx.uint32), cache=cache))
+        per_proposal = seconds(draft, cache, 1) / measured[0]
+    return tuple(costs), per_proposal
 
 
-def best_draft_length(rate: float, costs: tuple[float, ...], available: int) -> int:
+def best_draft_length(
+    rate: float, costs: tuple[float, ...], available: int, per_proposal: float = 0.0
+) -> int:
     """How many of ``available`` proposals to verify for the most tokens per
-    second (0: none), when each holds with probability ``rate`` and a pass over
-    1 + k tokens costs ``costs[k]`` single-token passes."""
+    second (0: none), when each holds with probability ``rate``, a pass over
+    1 + k tokens costs ``costs[k]`` single-token passes, and making a proposal
+    costs ``per_proposal`` of one."""
     best, best_gain = 0, 1.0
     for k in range(1, min(available, len(costs) - 1) + 1):
-        expected = sum(rate**i for i in range(k + 1))
-        if expected / costs[k] > best_gain:
-            best, best_gain = k, expected / costs[k]
+        gain = sum(rate**i for i in range(k + 1)) / (costs[k] + k * per_proposal)
+        if gain > best_gain:
+            best, best_gain = k, gain
     return best
 
 
@@ -110,14 +184,15 @@ class _Row:
     sequence: NewSequence
     # Prompt and generated tokens; while alone, the last is not in the KV cache yet.
     tokens: list[int]
-    proposer: NgramProposer | None
+    proposer: NgramProposer | DraftProposer | None
     inner: int | None = None
     generated: int = 0
     kv_cache: list | None = None
     # Decayed counts of accepted and verified proposals: the acceptance estimate.
     hits: float = 1.0
     trials: float = 2.0
-    misses: int = 0
+    # A cheap proposal's first token, checked against the next decoded one.
+    guess: int | None = None
     rest_until: int = 0
     rest: int = FIRST_REST_TOKENS
     proposed: int = 0
@@ -132,32 +207,26 @@ class SpeculativeDecoder(Decoder):
         inner: Decoder,
         model: nn.Module,
         num_draft_tokens: int,
-        ngram_min: int,
-        ngram_max: int,
+        make_proposer: Callable[[], NgramProposer | DraftProposer],
         costs: tuple[float, ...] | None = None,
+        per_proposal: float = 0.0,
     ):
-        """``costs``: what a pass over 1 + k tokens costs relative to one token;
-        measured on the model when not given."""
+        """``make_proposer`` makes each sequence's proposer. ``costs``: what a pass
+        over 1 + k tokens costs relative to one token, and ``per_proposal`` what
+        making one proposal does; measured on the model when not given."""
         self._inner = inner
         self._model = model
-        self._ngram = (ngram_min, ngram_max)
-        self.capabilities = inner.capabilities
+        self._make_proposer = make_proposer
         self._rows: dict[int, _Row] = {}
         self._by_inner: dict[int, int] = {}
         self._lone: int | None = None
         self._next_key = 0
         self._lone_steps = 0
         self._lone_tokens = 0
-        self.costs = costs or measure_verify_costs(model, max(num_draft_tokens, 8))
-        logger.info(
-            "speculative decoding: n-gram prompt lookup (n %d-%d), up to %d tokens; "
-            "one pass over 1+k tokens costs %s times one token (k = 1..%d)",
-            ngram_min,
-            ngram_max,
-            num_draft_tokens,
-            ", ".join(f"{c:.2f}" for c in self.costs[1:]),
-            len(self.costs) - 1,
-        )
+        self.capabilities = inner.capabilities
+        if costs is None:
+            costs, per_proposal = measure_verify_costs(model, max(num_draft_tokens, 8))
+        self.costs, self.per_proposal = costs, per_proposal
 
     # Decode steps and their tokens: the inner decoder's and the lone sequence's.
     @property
@@ -175,7 +244,7 @@ class SpeculativeDecoder(Decoder):
         self._next_key += 1
         proposer = None
         if sequence.draft_tokens > 0:
-            proposer = NgramProposer(*self._ngram)
+            proposer = self._make_proposer()
         row = _Row(sequence, list(sequence.prompt), proposer)
         row.inner = self._inner.add(sequence)
         self._rows[key] = row
@@ -188,7 +257,10 @@ class SpeculativeDecoder(Decoder):
             if self._worth_speculating(row):
                 self._leave(key, row)
         if self._lone is not None:
-            return [self._speculate(self._lone, self._rows[self._lone])]
+            result = self._speculate(self._lone, self._rows[self._lone])
+            if result is not None:
+                return [result]
+        alone = len(self._rows) == 1
         results = []
         for result in self._inner.step():
             key = self._by_inner.get(result.key)
@@ -198,6 +270,8 @@ class SpeculativeDecoder(Decoder):
             row.generated += len(result.tokens)
             if row.proposer is not None:
                 row.tokens.extend(result.tokens)
+                if alone and row.proposer.cheap:
+                    self._check_guess(row, result.tokens)
             if result.done:
                 del self._rows[key], self._by_inner[result.key]
             results.append(replace(result, key=key))
@@ -233,21 +307,40 @@ class SpeculativeDecoder(Decoder):
         is not resting, and has a proposal worth verifying."""
         if row.proposer is None or row.generated < 1 or row.generated < row.rest_until:
             return False
-        remaining = row.sequence.max_tokens - row.generated
-        draft = row.proposer.propose(row.tokens, self._limit(row, remaining))
-        return best_draft_length(row.hits / row.trials, self.costs, len(draft)) > 0
+        return self._best_length(row) > 0 and row.proposer.ready(row.tokens)
+
+    def _check_guess(self, row: _Row, tokens: tuple[int, ...]) -> None:
+        """Score the last cheap proposal against the token plain decoding made, so
+        the acceptance estimate follows the text while the sequence decodes plainly."""
+        if row.guess is not None and tokens:
+            self._observe(row, 1, int(tokens[0] == row.guess))
+        guess = row.proposer.propose(row.tokens, 1)
+        row.guess = guess[0] if guess else None
+
+    def _observe(self, row: _Row, proposed: int, accepted: int) -> None:
+        row.hits = ACCEPTANCE_DECAY * row.hits + accepted
+        row.trials = ACCEPTANCE_DECAY * row.trials + accepted + (accepted < proposed)
+
+    def _rest(self, row: _Row) -> None:
+        """Back to plain decoding in the inner decoder for a while."""
+        row.rest_until = row.generated + row.rest
+        row.rest = min(2 * row.rest, MAX_REST_TOKENS)
+        if not row.proposer.cheap:
+            # Nothing checks its proposals meanwhile: it gets a fresh estimate.
+            row.hits, row.trials = 1.0, 2.0
+        self._join(row)
 
     def _leave(self, key: int, row: _Row) -> None:
         """Take the sequence out of the inner decoder to speculate alone."""
         state = self._inner.remove(row.inner)
         del self._by_inner[row.inner]
         if state is None:
-            return
+            # The engine loop aborts every stream rather than let this one hang.
+            raise RuntimeError("a decoding sequence had no KV state to speculate from")
         # The inner decoder has already run the last token: it is verified again.
         trim_prompt_cache(state.cache, 1)
         row.kv_cache, row.inner = state.cache, None
-        row.misses = 0
-        row.hits, row.trials = 1.0, 2.0
+        row.guess = None
         self._lone = key
 
     def _join(self, row: _Row) -> None:
@@ -269,19 +362,23 @@ class SpeculativeDecoder(Decoder):
 
     # -- speculation --------------------------------------------------------
 
-    def _limit(self, row: _Row, remaining: int) -> int:
-        return max(
-            0, min(row.sequence.draft_tokens, len(self.costs) - 1, remaining - 1)
+    def _best_length(self, row: _Row) -> int:
+        """The number of proposals this step should verify, at most."""
+        remaining = row.sequence.max_tokens - row.generated
+        limit = min(row.sequence.draft_tokens, remaining - 1)
+        return best_draft_length(
+            row.hits / row.trials, self.costs, limit, self.per_proposal
         )
 
-    def _speculate(self, key: int, row: _Row) -> StepResult:
+    def _speculate(self, key: int, row: _Row) -> StepResult | None:
+        """One verification step of the lone sequence; None when it had nothing
+        worth verifying and went back to the inner decoder."""
         sequence = row.sequence
-        remaining = sequence.max_tokens - row.generated
-        draft = row.proposer.propose(row.tokens, self._limit(row, remaining))
-        draft = draft[
-            : best_draft_length(row.hits / row.trials, self.costs, len(draft))
-        ]
         try:
+            draft = row.proposer.propose(row.tokens, self._best_length(row))
+            if not draft:
+                self._rest(row)
+                return None
             tokens, logprobs = self._verify(row, draft)
         except Exception as e:
             logger.exception("speculative generation failed")
@@ -292,23 +389,23 @@ class SpeculativeDecoder(Decoder):
             (i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d), len(draft)
         )
         emitted = tokens[: accepted + 1]
+        row.proposer.rewind(accepted, len(draft))
         # The cache holds the last token and every proposal; keep the accepted ones.
         trim_prompt_cache(row.kv_cache, len(draft) - accepted)
         row.tokens.extend(emitted)
         row.generated += len(emitted)
+        if isinstance(sequence.sampler, SeededSampler):
+            # Rejected positions are drawn again, by whichever decoder runs next.
+            sequence.sampler.position = row.generated
         self._lone_steps += 1
         self._lone_tokens += len(emitted)
-        if draft:
-            row.misses = 0
-            row.hits = ACCEPTANCE_DECAY * row.hits + accepted
-            row.trials = ACCEPTANCE_DECAY * row.trials + accepted
-            row.trials += accepted < len(draft)
-            row.proposed += len(draft)
-            row.accepted += accepted
-            self.draft_proposed += len(draft)
-            self.draft_accepted += accepted
-        else:
-            row.misses += 1
+        self._observe(row, len(draft), accepted)
+        if accepted:
+            row.rest = FIRST_REST_TOKENS
+        row.proposed += len(draft)
+        row.accepted += accepted
+        self.draft_proposed += len(draft)
+        self.draft_accepted += accepted
         scored = [None] * len(emitted)
         if sequence.logprobs is not None:
             scored = gather_logprobs(
@@ -320,11 +417,9 @@ class SpeculativeDecoder(Decoder):
             state = KVState(row.kv_cache, row.tokens[:-1])
             del self._rows[key]
             self._lone = None
-        elif row.misses >= MISSES_BEFORE_REST:
-            # Proposals stopped paying: decode in the batch for a while.
-            row.rest_until = row.generated + row.rest
-            row.rest = min(2 * row.rest, MAX_REST_TOKENS)
-            self._join(row)
+        elif self._best_length(row) == 0:
+            # Proposals stopped paying.
+            self._rest(row)
         return StepResult(
             key,
             tuple(emitted),
@@ -362,16 +457,42 @@ class SpeculativeDecoder(Decoder):
         return tokens.tolist(), logprobs
 
 
-def make_decoder(model: nn.Module, options: LoadOptions) -> Decoder:
+def make_decoder(
+    model: nn.Module, options: LoadOptions, draft: nn.Module | None = None
+) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
-    can be merged), speculating for a lone sequence unless that is turned off or
-    the KV caches cannot be trimmed back past rejected proposals."""
+    can be merged), speculating for a lone sequence with ``draft`` or n-gram
+    prompt lookup, unless that is off or the KV caches only rotate."""
     inner = make_plain_decoder(model, options)
     # Rotating (sliding-window) caches cannot always be trimmed back.
     growing = all(type(c) is KVCache for c in make_kv_cache(model, options.max_kv_size))
     if options.speculative == "off" or options.num_draft_tokens == 0 or not growing:
         logger.info("speculative decoding is off")
         return inner
+    max_draft = max(options.num_draft_tokens, 8)
+    if draft is not None and options.speculative in ("auto", "draft"):
+        costs, per_proposal = measure_verify_costs(model, max_draft, draft)
+        proposer = "the draft model"
+        make_proposer = partial(DraftProposer, draft, options.prefill_step_size)
+    else:
+        costs, per_proposal = measure_verify_costs(model, max_draft)
+        n_min, n_max = options.ngram_min, options.ngram_max
+        proposer = f"n-gram prompt lookup (n {n_min}-{n_max})"
+        make_proposer = partial(NgramProposer, n_min, n_max)
+    logger.info(
+        "speculative decoding: %s, up to %d tokens a step; one pass over 1+k tokens "
+        "costs %s times one token (k = 1..%d), a proposal %.2f",
+        proposer,
+        options.num_draft_tokens,
+        ", ".join(f"{c:.2f}" for c in costs[1:]),
+        max_draft,
+        per_proposal,
+    )
     return SpeculativeDecoder(
-        inner, model, options.num_draft_tokens, options.ngram_min, options.ngram_max
+        inner,
+        model,
+        options.num_draft_tokens,
+        make_proposer,
+        costs=costs,
+        per_proposal=per_proposal,
     )

@@ -514,6 +514,8 @@ def test_deadline_stops_generation(server):
         ({"FrequencyPenalty": -2.5}, "FrequencyPenalty"),
         ({"PresencePenalty": 2.5}, "PresencePenalty"),
         ({"LogitBias": '{"1": NaN}'}, "LogitBias"),
+        ({"NDraft": -1}, "NDraft"),
+        ({"NDraft": 33}, "NDraft"),
     ],
 )
 def test_malformed_fields_are_invalid_argument(server, fields, field_name):

@@ -391,6 +391,7 @@ HOSTILE_FIELDS = {
     "FrequencyPenalty": hostile_floats,
     "PresencePenalty": hostile_floats,
     "TopK": hostile_ints,
+    "NDraft": hostile_ints,
     "Seed": hostile_ints,
     "Logprobs": hostile_ints,
     "TopLogprobs": hostile_ints,
@@ -647,7 +648,7 @@ def named_cases() -> list[tuple[str, dict, object]]:
     ]
     fields += [
         {**sampled, name: v}
-        for name in ["TopK", "Seed", "Logprobs", "TopLogprobs"]
+        for name in ["TopK", "NDraft", "Seed", "Logprobs", "TopLogprobs"]
         for v in INT_EDGES
     ]
     fields += [

@@ -22,6 +22,7 @@ from conftest import (
     collect,
     generation,
     load_engine,
+    make_tiny_draft,
     on_engine_thread,
     run,
     stats_after,
@@ -29,11 +30,14 @@ from conftest import (
     wait_idle,
 )
 from decoders import BatchDecoder, NewSequence
+from engine import Engine
+from errors import InvalidArgument
+from model_loading import ModelLoadError, default_model_path
 from python_utils import LoadOptions
 from reply_pipeline import Finished
 from request_parsing import SamplingParams
 from sampling import make_seeded_sampler
-from speculative import SpeculativeDecoder
+from speculative import NgramProposer, SpeculativeDecoder
 
 PARAGRAPH = (
     "The old lighthouse stood on the northern cliff for more than two hundred "
@@ -103,7 +107,11 @@ def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
 
     def steps(model, options):
         decoder = SpeculativeDecoder(
-            BatchDecoder(model, options, True), model, 8, 2, 4, costs=FLAT
+            BatchDecoder(model, options, True),
+            model,
+            8,
+            lambda: NgramProposer(2, 4),
+            costs=FLAT,
         )
         decoder.add(
             NewSequence(
@@ -245,9 +253,62 @@ def test_cancel_stops_speculation_within_a_step(speculative):
     assert text_of(events) == PARAGRAPH
 
 
+# -- draft models -----------------------------------------------------------
+
+
+def flat_costs(engine) -> None:
+    """Every k and every proposal costs one pass: each step verifies all it can."""
+
+    def set_costs(model, options):
+        engine._decoder.costs, engine._decoder.per_proposal = FLAT, 0.0
+
+    on_engine_thread(engine, set_costs)
+
+
+def test_the_model_as_its_own_draft_accepts_everything(plain):
+    engine = load_engine(draft=str(default_model_path()))
+    try:
+        flat_costs(engine)
+        for text in (REPEAT, POEM):
+            (expected,) = run(plain, generation(plain, text, max_tokens=48))
+            (actual,) = run(engine, generation(engine, text, max_tokens=48))
+            check_same(expected, actual)
+            metrics = engine.last_metrics
+            assert metrics.draft_tokens_proposed > 30
+            assert metrics.draft_tokens_accepted >= 0.95 * metrics.draft_tokens_proposed
+    finally:
+        engine.shutdown()
+
+
+def test_a_random_draft_is_mostly_rejected_and_changes_nothing(plain, tmp_path):
+    engine = load_engine(draft=str(make_tiny_draft(tmp_path / "draft")))
+    try:
+        flat_costs(engine)
+        expected, actual = both(plain, engine, REPEAT, max_tokens=48)
+        check_same(expected[0], actual[0])
+        metrics = engine.last_metrics
+        assert metrics.draft_tokens_proposed > 0
+        assert metrics.draft_tokens_accepted < 0.5 * metrics.draft_tokens_proposed
+    finally:
+        engine.shutdown()
+
+
+def test_a_draft_with_another_vocabulary_fails_the_load(tmp_path):
+    draft = make_tiny_draft(tmp_path / "draft", vocabulary_changed=True)
+    engine = Engine()
+    try:
+        with pytest.raises(ModelLoadError, match="DraftModel: its vocabulary"):
+            engine.load("", LoadOptions(), 0, draft=str(draft)).result()
+        with pytest.raises(InvalidArgument, match="DraftModel"):
+            engine.load("", LoadOptions(speculative="draft"), 0).result()
+    finally:
+        engine.shutdown()
+
+
 # -- the sampled distribution, on a tiny llama ------------------------------
 
 VOCAB = 24
+SEED = 0
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +324,8 @@ def tiny():
         vocab_size=VOCAB,
         tie_word_embeddings=False,
     )
+    # A fixed model, whose proposals are sometimes accepted.
+    mx.random.seed(SEED)
     model = llama.Model(args)
     # Sharper than a fresh model's distributions, so that proposals often hold.
     model.lm_head.weight = model.lm_head.weight * 8
@@ -285,8 +348,7 @@ def test_speculative_sampling_keeps_the_model_distribution(tiny):
         BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
         tiny,
         4,
-        1,
-        3,
+        lambda: NgramProposer(1, 3),
         costs=FLAT,
     )
     draws = 1200
