@@ -31,10 +31,14 @@ from sampling import SeededSampler
 
 logger = logging.getLogger(__name__)
 
-# A sequence with no proposal worth verifying decodes in the batch again (its
-# pipelined steps beat lone ones), for a number of tokens that doubles each time.
+# A sequence whose proposals stop paying decodes in the batch again, for a number
+# of tokens that doubles each time.
 FIRST_REST_TOKENS = 16
 MAX_REST_TOKENS = 1024
+# Verifying must promise this many times the tokens per second of one plain step:
+# lone steps are not pipelined as the batch's are, and leaving the batch wastes the
+# step it had started.
+MIN_GAIN = 1.3
 # Acceptance estimates decay by this factor per verification.
 ACCEPTANCE_DECAY = 0.9
 
@@ -169,7 +173,7 @@ def best_draft_length(
     second (0: none), when each holds with probability ``rate``, a pass over
     1 + k tokens costs ``costs[k]`` single-token passes, and making a proposal
     costs ``per_proposal`` of one."""
-    best, best_gain = 0, 1.0
+    best, best_gain = 0, MIN_GAIN
     for k in range(1, min(available, len(costs) - 1) + 1):
         gain = sum(rate**i for i in range(k + 1)) / (costs[k] + k * per_proposal)
         if gain > best_gain:
@@ -195,8 +199,6 @@ class _Row:
     guess: int | None = None
     rest_until: int = 0
     rest: int = FIRST_REST_TOKENS
-    proposed: int = 0
-    accepted: int = 0
 
 
 class SpeculativeDecoder(Decoder):
@@ -377,7 +379,8 @@ class SpeculativeDecoder(Decoder):
         try:
             draft = row.proposer.propose(row.tokens, self._best_length(row))
             if not draft:
-                self._rest(row)
+                # The batch's pipelined step beats a lone one; back when there is more.
+                self._join(row)
                 return None
             tokens, logprobs = self._verify(row, draft)
         except Exception as e:
@@ -402,8 +405,6 @@ class SpeculativeDecoder(Decoder):
         self._observe(row, len(draft), accepted)
         if accepted:
             row.rest = FIRST_REST_TOKENS
-        row.proposed += len(draft)
-        row.accepted += accepted
         self.draft_proposed += len(draft)
         self.draft_accepted += accepted
         scored = [None] * len(emitted)

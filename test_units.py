@@ -658,6 +658,8 @@ def test_ngram_proposer_prefers_the_longest_latest_match():
         (0.9, (1.0, 2.0, 3.0, 4.0), 3, 0),
         (0.5, (1.0, 1.1, 1.2, 3.0), 3, 2),
         (0.9, (1.0, 1.1), 5, 1),
+        # A small gain does not pay for leaving the pipelined batch.
+        (0.3, (1.0, 1.05), 1, 0),
     ],
 )
 def test_best_draft_length(rate, costs, available, expected):
