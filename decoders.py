@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 _thread = threading.local()
 
 
-def _thread_stream() -> mx.Stream:
-    """The calling thread's stream for batched steps: small evaluations on its
+def thread_stream() -> mx.Stream:
+    """The calling thread's stream for decode steps: small evaluations on its
     default stream, such as logprobs, need not wait behind the next step."""
     if not hasattr(_thread, "stream"):
         _thread.stream = mx.new_stream(mx.default_device())
@@ -162,7 +162,7 @@ class BatchDecoder(Decoder):
             # BatchGenerator raises its decode limit to the prefill batch size.
             prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
             prefill_step_size=options.prefill_step_size,
-            stream=_thread_stream(),
+            stream=thread_stream(),
         )
 
     def add(self, sequence: NewSequence) -> int:

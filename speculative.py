@@ -24,7 +24,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
-from decoders import Decoder, KVState, NewSequence, StepResult, make_plain_decoder
+from decoders import (
+    Decoder,
+    KVState,
+    NewSequence,
+    StepResult,
+    make_plain_decoder,
+    thread_stream,
+)
 from mlx_utils import gather_logprobs, make_kv_cache
 from python_utils import LoadOptions
 from sampling import SeededSampler
@@ -259,7 +266,10 @@ class SpeculativeDecoder(Decoder):
             if self._worth_speculating(row):
                 self._leave(key, row)
         if self._lone is not None:
-            result = self._speculate(self._lone, self._rows[self._lone])
+            # On the batch's stream: on a CPU each stream's worker thread has its
+            # own BLAS threads, which would spin against the batch's after a step.
+            with mx.stream(thread_stream()):
+                result = self._speculate(self._lone, self._rows[self._lone])
             if result is not None:
                 return [result]
         alone = len(self._rows) == 1
@@ -471,12 +481,14 @@ def make_decoder(
         logger.info("speculative decoding is off")
         return inner
     max_draft = max(options.num_draft_tokens, 8)
+    with mx.stream(thread_stream()):
+        costs, per_proposal = measure_verify_costs(
+            model, max_draft, draft if options.speculative != "ngram" else None
+        )
     if draft is not None and options.speculative in ("auto", "draft"):
-        costs, per_proposal = measure_verify_costs(model, max_draft, draft)
         proposer = "the draft model"
         make_proposer = partial(DraftProposer, draft, options.prefill_step_size)
     else:
-        costs, per_proposal = measure_verify_costs(model, max_draft)
         n_min, n_max = options.ngram_min, options.ngram_max
         proposer = f"n-gram prompt lookup (n {n_min}-{n_max})"
         make_proposer = partial(NgramProposer, n_min, n_max)
