@@ -79,10 +79,6 @@ class NgramProposer:
                 return tokens[start : start + limit]
         return []
 
-    def ready(self, tokens: list[int]) -> bool:
-        """Whether ``propose`` would propose anything."""
-        return bool(self.propose(tokens, 1))
-
     def rewind(self, accepted: int, proposed: int) -> None:
         pass
 
@@ -124,9 +120,6 @@ class DraftProposer:
         # Fed: the sequence and every proposal but the last.
         self._fed, self._proposed = len(tokens), limit - 1
         return mx.concatenate(proposals).tolist()
-
-    def ready(self, tokens: list[int]) -> bool:
-        return True
 
     def rewind(self, accepted: int, proposed: int) -> None:
         """Keep the accepted proposals in the draft's KV cache, drop the rest."""
@@ -319,7 +312,11 @@ class SpeculativeDecoder(Decoder):
         is not resting, and has a proposal worth verifying."""
         if row.proposer is None or row.generated < 1 or row.generated < row.rest_until:
             return False
-        return self._best_length(row) > 0 and row.proposer.ready(row.tokens)
+        length = self._best_length(row)
+        if not row.proposer.cheap:
+            return length > 0
+        # Leaving wastes the batch's step in flight: one proposed token rarely pays.
+        return len(row.proposer.propose(row.tokens, length)) >= min(length, 2) > 0
 
     def _check_guess(self, row: _Row, tokens: tuple[int, ...]) -> None:
         """Score the last cheap proposal against the token plain decoding made, so
