@@ -75,11 +75,15 @@ STORY_SCHEMA = json.dumps(
 
 
 @contextmanager
-def running_server(env: dict | None = None):
-    """A backend process with the default model loaded; yields its stub."""
+def running_server(env: dict | None = None, options: tuple[str, ...] = ()):
+    """A backend process with the default model loaded (reloaded with LoadModel
+    ``options`` when given); yields its stub."""
     server = Server("--model", "default", env=env)
     try:
         server.wait_for_log("startup model", timeout=180)
+        if options:
+            request = pb.ModelOptions(Model="default", Options=list(options))
+            assert server.stub.LoadModel(request).success
         yield server.stub
     finally:
         server.stop()
@@ -412,9 +416,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             lines += [""] + part
         if not (args.skip_prefix or args.only_batching):
-            no_sharing = stack.enter_context(running_server())
-            options = pb.ModelOptions(Model="default", Options=["prefix_sharing:false"])
-            assert no_sharing.LoadModel(options).success
+            no_sharing = stack.enter_context(
+                running_server(options=("prefix_sharing:false",))
+            )
             report["prefix"], part = bench_prefix(
                 fast, no_sharing, str(exported), folder, args.prefix_rounds
             )
@@ -422,9 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         if not (args.skip_speculative or args.only_batching):
             # Two fresh servers, so neither carries the earlier parts' state.
             speculating = stack.enter_context(running_server())
-            plain = stack.enter_context(running_server())
-            options = pb.ModelOptions(Model="default", Options=["speculative:off"])
-            assert plain.LoadModel(options).success
+            plain = stack.enter_context(running_server(options=("speculative:off",)))
             report["speculative"], part = bench_speculative(
                 speculating, plain, str(exported), folder, args.speculative_rounds
             )

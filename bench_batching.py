@@ -127,17 +127,18 @@ def http_stream(
     return Stream(start, arrivals, count or len(arrivals))
 
 
-def run_level(make_stream, level: int, round: int) -> dict:
-    """``level`` concurrent streams; throughput and latency figures."""
-    streams: list = [None] * level
+def run_concurrently(make_stream, prompts: list) -> list[Stream]:
+    """One stream per prompt, all started at once; RuntimeError if any failed or
+    returned no text."""
+    streams: list = [None] * len(prompts)
 
     def run(i):
         try:
-            streams[i] = make_stream(prompt_for(level, round, i))
+            streams[i] = make_stream(prompts[i])
         except Exception as e:
             streams[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(level)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
@@ -147,6 +148,13 @@ def run_level(make_stream, level: int, round: int) -> dict:
             raise RuntimeError(f"a stream failed: {s!r}") from s
     if not all(s.arrivals for s in streams):
         raise RuntimeError("a stream returned no text: the figures would be wrong")
+    return streams
+
+
+def run_level(make_stream, level: int, round: int) -> dict:
+    """``level`` concurrent streams; throughput and latency figures."""
+    prompts = [prompt_for(level, round, i) for i in range(level)]
+    streams = run_concurrently(make_stream, prompts)
     begin = min(s.start for s in streams)
     end = max(s.arrivals[-1] for s in streams)
     ttfts = sorted(s.arrivals[0] - s.start for s in streams)

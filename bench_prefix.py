@@ -12,11 +12,16 @@ cold start.
 
 import logging
 import statistics
-import threading
 import time
 
 import backend_pb2 as pb
-from bench_batching import grpc_stream, http_stream, mlx_lm_server, percentile
+from bench_batching import (
+    grpc_stream,
+    http_stream,
+    mlx_lm_server,
+    percentile,
+    run_concurrently,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +57,10 @@ def system_chat(burst: str, question: str) -> list[dict]:
 
 def run_burst(make_stream, burst: str, level: int) -> dict:
     """``level`` chats sent at once; their times to first token and the wall time."""
-    streams: list = [None] * level
-
-    def run(i):
-        question = QUESTIONS[i % len(QUESTIONS)] + f" ({i})"
-        try:
-            streams[i] = make_stream(system_chat(burst, question))
-        except Exception as e:
-            streams[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(level)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in streams:
-        if isinstance(s, Exception) or not s.arrivals:
-            raise RuntimeError(f"a stream failed: {s!r}")
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(level)]
+    streams = run_concurrently(
+        make_stream, [system_chat(burst, question) for question in questions]
+    )
     ttfts = sorted(s.arrivals[0] - s.start for s in streams)
     begin = min(s.start for s in streams)
     return {

@@ -13,10 +13,9 @@ server goes first.
 import json
 import logging
 import statistics
-import threading
 
 import backend_pb2 as pb
-from bench_batching import grpc_stream, http_stream, mlx_lm_server
+from bench_batching import grpc_stream, http_stream, mlx_lm_server, run_concurrently
 
 logger = logging.getLogger(__name__)
 
@@ -82,19 +81,10 @@ def proposed(stub) -> int:
 
 def mix(stub, eos: int) -> float:
     """Aggregate tok/s of MIX_STREAMS streams at once, half copying, half open."""
-    streams: list = [None] * MIX_STREAMS
-
-    def run(i):
-        prompt = (COPY if i % 2 else OPEN) + f" ({i})"
-        streams[i] = grpc_stream(stub, prompt, MIX_TOKENS, eos)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(MIX_STREAMS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if not all(s is not None and s.arrivals for s in streams):
-        raise RuntimeError("a stream failed: the figures would be wrong")
+    prompts = [(COPY if i % 2 else OPEN) + f" ({i})" for i in range(MIX_STREAMS)]
+    streams = run_concurrently(
+        lambda prompt: grpc_stream(stub, prompt, MIX_TOKENS, eos), prompts
+    )
     begin = min(s.start for s in streams)
     end = max(s.arrivals[-1] for s in streams)
     return sum(s.tokens for s in streams) / (end - begin)

@@ -283,18 +283,26 @@ def load_engine(*options: str, draft: str = "") -> Engine:
     return engine
 
 
+# A llama small enough to build in a test; the tests set its vocabulary.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
 def make_tiny_draft(folder: Path, vocabulary_changed: bool = False) -> Path:
     """A one-layer llama with random weights and the default model's tokenizer: a
     draft model whose proposals are mostly wrong. ``vocabulary_changed`` adds a
     token, so its vocabulary differs from the model's."""
     config = {
-        "model_type": "llama",
-        "hidden_size": 32,
+        **TINY_LLAMA,
         "num_hidden_layers": 1,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
         "vocab_size": 49152,
         "tie_word_embeddings": True,
         "max_position_embeddings": 8192,

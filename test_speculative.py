@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import (
     QUESTION,
+    TINY_LLAMA,
     chat_prompt,
     collect,
     generation,
@@ -313,16 +314,8 @@ SEED = 0
 
 @pytest.fixture(scope="module")
 def tiny():
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
+    args = llama.ModelArgs.from_dict(
+        {**TINY_LLAMA, "num_hidden_layers": 1, "vocab_size": VOCAB}
     )
     # A fixed model, whose proposals are sometimes accepted.
     mx.random.seed(SEED)

@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import grammar
 import score_embedding
+from conftest import TINY_LLAMA
 from detokenizer import make_token_bytes
 from errors import Aborted, InvalidArgument
 from gguf_loader import save_tokenizer
@@ -295,17 +296,7 @@ CANDIDATES = ((5, 17, 3), (42,), (8, 8, 1, 96, 30))
 @pytest.fixture(scope="module")
 def model():
     mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=TINY_VOCAB,
-        tie_word_embeddings=False,
-    )
+    args = llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": TINY_VOCAB})
     tiny = llama.Model(args)
     mx.eval(tiny.parameters())
     return tiny
