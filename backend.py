@@ -28,6 +28,7 @@ import backend_pb2
 import backend_pb2_grpc
 from chat_output import Delta, merge_deltas
 from cpu_path import maybe_reexec_with_fast_blas
+from distributed import launched_rank, run_worker, worker_settings
 from engine import Engine
 from errors import (
     Aborted,
@@ -36,6 +37,7 @@ from errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unavailable,
     Unimplemented,
 )
 from model_loading import ModelInfo
@@ -75,6 +77,7 @@ _STATUS_CODES = {
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     Aborted: grpc.StatusCode.ABORTED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 _STATUS_STATES = {
@@ -530,6 +533,18 @@ def main(
         default=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         help=f"logging level (env {LOG_LEVEL_ENV})",
     )
+    workers = parser.add_argument_group(
+        "distributed workers (ranks 1 and up; rank 0 is the gRPC server)"
+    )
+    workers.add_argument(
+        "--worker", action="store_true", help="follow rank 0 instead of serving"
+    )
+    workers.add_argument("--hostfile", default="", help="MLX's hostfile JSON")
+    workers.add_argument("--rank", type=int, default=None, help="this worker's rank")
+    workers.add_argument("--backend", default="", help="ring (default), jaccl or mpi")
+    workers.add_argument(
+        "--coordinator", default="", help="IP:PORT of the JACCL coordinator"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -538,6 +553,16 @@ def main(
     )
     if argv is None:
         maybe_reexec_with_fast_blas()
+    # Under mlx.launch every rank runs this command: ranks 1 and up follow rank 0.
+    launched = launched_rank(os.environ)
+    if args.worker or (launched is not None and launched > 0):
+        try:
+            settings = worker_settings(
+                args.hostfile, args.rank, args.backend, args.coordinator, os.environ
+            )
+        except BackendError as e:
+            parser.error(str(e))
+        sys.exit(run_worker(settings))
     asyncio.run(serve(args.addr, args.model, servicer_class=servicer_class))
 
 

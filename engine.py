@@ -11,6 +11,7 @@ Score or Embedding job, and publishes its state.
 import asyncio
 import gc
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -21,13 +22,34 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from cpu_path import physical_memory
-from decoders import Decoder, KVState, NewSequence, StepResult
+from decoders import (
+    Decoder,
+    KVState,
+    NewSequence,
+    StepResult,
+    make_plain_decoder,
+    thread_stream,
+)
+from distributed import (
+    HEARTBEAT_SECONDS,
+    Exit,
+    Joining,
+    LeaderDecoder,
+    LeaderJobs,
+    Load,
+    Lockstep,
+    Ping,
+    Unload,
+    leader_settings,
+    make_group_prompt_cache,
+)
 from errors import (
     Aborted,
     BackendError,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
+    Unavailable,
 )
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import make_kv_cache, memory_snapshot, release_memory
@@ -43,6 +65,7 @@ from reply_pipeline import Finished, Output, ReplyPipeline
 from request_parsing import GenerationRequest
 from sampling import make_request_processors, make_request_sampler
 from score_embedding import EmbeddingRequest, JobQueue, ScoreRequest
+from sharding import Sharding, choose_mode
 from speculative import make_decoder
 
 logger = logging.getLogger(__name__)
@@ -219,6 +242,9 @@ class Engine:
         # Prompt tokens served from the prompt cache, and those prefilled.
         self._reused_tokens = 0
         self._prefilled_tokens = 0
+        # Serving over a distributed group: rank 0's channel to the workers.
+        self._lockstep: Lockstep | None = None
+        self._joining: Joining | None = None
         self._thread = threading.Thread(
             target=self._run, name="mlx-engine", daemon=True
         )
@@ -297,6 +323,8 @@ class Engine:
         self._closed = True
         try:
             self._abort_all("the backend is shutting down", keep_decoder=False)
+            if self._lockstep is not None and self._lockstep.broken is None:
+                self._lockstep.flush(Exit(), wait=True)
         finally:
             self._drain_inbox()
             self._outbox.flush()
@@ -324,10 +352,14 @@ class Engine:
             busy = self._busy()
             if not busy:
                 self._outbox.flush()  # before waiting for work
+            idle_wait = None if self._lockstep is None else HEARTBEAT_SECONDS
             try:
-                message = self._inbox.get(block=not busy)
+                message = self._inbox.get(block=not busy, timeout=idle_wait)
             except queue.Empty:
-                return True
+                if busy:
+                    return True
+                self._heartbeat()
+                continue
             match message:
                 case Stop():
                     return False
@@ -346,7 +378,10 @@ class Engine:
         if self._sequences:
             self._emit(self._decoder.step())
         if self._jobs:
-            self._jobs.step(self._loaded.model, self.info.options, self._publish)
+            # On the decode steps' stream: one BLAS thread team, and one order of
+            # collectives on every rank of a group.
+            with mx.stream(thread_stream()):
+                self._jobs.step(self._loaded.model, self.info.options, self._publish)
         self._steps += 1
         if self._steps % STATS_INTERVAL == 0:
             self._publish()
@@ -489,6 +524,9 @@ class Engine:
         if request.model_generation != self._generation:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
+        if self._lockstep is not None and self._lockstep.broken:
+            stream.put(Unavailable(self._lockstep.broken))
+            return
         try:
             seq = self._start(request, stream, lead)
         except Exception as e:
@@ -590,19 +628,9 @@ class Engine:
 
     def _fetch_cache(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
         """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
-        kv_cache, rest = self._prompt_cache.fetch_nearest_cache(
-            self._generation, prompt
-        )
-        if kv_cache is not None and not rest:
-            # An exact hit still runs the last prompt token, for the next logits.
-            if can_trim_prompt_cache(kv_cache):
-                trim_prompt_cache(kv_cache, 1)
-                rest = prompt[-1:]
-            else:
-                kv_cache = None
+        kv_cache, rest = self._prompt_cache.fetch_for_prompt(self._generation, prompt)
         if kv_cache is None:
             kv_cache = make_kv_cache(self._loaded.model, self.info.options.max_kv_size)
-            rest = prompt
         self._reused_tokens += len(prompt) - len(rest)
         self._prefilled_tokens += len(rest)
         return kv_cache, tuple(rest)
@@ -611,14 +639,7 @@ class Engine:
         self, generation: int, kv_cache: list, tokens, holders: int = 1
     ) -> None:
         """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
-        # Cancelled prefill keeps whole chunks, so the offset can fall short.
-        length = min(getattr(kv_cache[0], "offset", 0), len(tokens))
-        if length > 1:
-            # Evaluated now: a lazy slice would pin the whole batch's KV buffers.
-            mx.eval([layer.state for layer in kv_cache])
-            self._prompt_cache.insert_cache(
-                generation, list(tokens[:length]), kv_cache, holders
-            )
+        self._prompt_cache.insert_state(generation, tokens, kv_cache, holders)
 
     # -- embeddings, scores and control work --------------------------------
 
@@ -633,6 +654,8 @@ class Engine:
             future.set_exception(
                 Aborted("the model was replaced while the request was queued")
             )
+        elif self._lockstep is not None and self._lockstep.broken:
+            future.set_exception(Unavailable(self._lockstep.broken))
         else:
             self._jobs.add(request, future)
 
@@ -670,10 +693,21 @@ class Engine:
             self._decoder.close()
             self._decoder = None
 
+    def _heartbeat(self) -> None:
+        """While idle, check that every rank of the group is still there."""
+        if self._lockstep.broken is None:
+            try:
+                self._lockstep.flush(Ping(), wait=True)
+            except Unavailable:
+                pass
+        self._publish()
+
     def _publish(self) -> None:
         state = self._state
         if state == "ready" and self._sequences:
             state = "busy"
+        if self._lockstep is not None and self._lockstep.broken:
+            state = "error"
         memory = memory_snapshot()
         if self.info is not None:
             memory.update(self.info.compute_path.breakdown())
@@ -688,6 +722,7 @@ class Engine:
             batch_decode_tokens=decoder.batch_tokens if decoder else 0,
             draft_tokens_proposed=decoder.draft_proposed if decoder else 0,
             draft_tokens_accepted=decoder.draft_accepted if decoder else 0,
+            distributed_ranks=self._lockstep.size if self._lockstep else 1,
         )
         self.stats = EngineStats(state, len(self._sequences), memory)
 
@@ -695,6 +730,8 @@ class Engine:
 
     def _unload(self) -> None:
         self._abort_all("the model was unloaded", keep_decoder=False)
+        if self._lockstep is not None and self._lockstep.broken is None:
+            self._lockstep.record(Unload())
         self._prompt_cache.clear()
         self._loaded = None
         self.info = None
@@ -718,10 +755,22 @@ class Engine:
         try:
             if options.speculative == "draft" and not draft_name:
                 raise InvalidArgument("Options: speculative:draft needs a DraftModel")
+            lockstep = self._join(options)
+            if lockstep is not None and draft_name:
+                raise InvalidArgument(
+                    "DraftModel: speculative decoding does not run distributed"
+                )
             # Resolved and checked beside the running model, which a failure keeps.
             loaded = load_model(
                 name, trust_remote_code=options.trust_remote_code, **kwargs
             )
+            sharding = None
+            if lockstep is not None:
+                mode = choose_mode(
+                    loaded.model, lockstep.size, options.distributed_mode
+                )
+                sharding = Sharding(lockstep.group, mode)
+                total_layers = len(loaded.model.layers)
             draft = None
             if draft_name:
                 model_path = kwargs.get("model_path", "")
@@ -730,25 +779,33 @@ class Engine:
             self._state = previous
             raise
         self._unload()
-        try:
-            loaded, info = prepare_model(
-                loaded, identity, options, context_size, self._generation + 1
+        max_bytes = (
+            int(physical_memory() * PROMPT_CACHE_MEMORY_FRACTION)
+            if options.max_cache_bytes is None
+            else options.max_cache_bytes
+        )
+        generation = self._generation + 1
+        if lockstep is not None:
+            lockstep.record(
+                Load(name, kwargs, options, context_size, generation, mode, max_bytes)
             )
-            decoder = make_decoder(loaded.model, info.options, draft)
+            lockstep.flush()
+        try:
+            loaded, info, decoder = self._prepare(
+                loaded, identity, options, context_size, generation, draft, sharding
+            )
         except Exception:
             self._state = "error"
             raise
         self._loaded, self.info, self._decoder = loaded, info, decoder
         self._generation = info.generation
-        self._prompt_cache = ThreadSafeLRUPromptCache(
-            max_size=options.max_cache_entries,
-            can_trim_fn=can_trim_prompt_cache,
-            trim_fn=trim_prompt_cache,
-            max_bytes=(
-                int(physical_memory() * PROMPT_CACHE_MEMORY_FRACTION)
-                if options.max_cache_bytes is None
-                else options.max_cache_bytes
-            ),
+        self._prompt_cache = make_group_prompt_cache(
+            lockstep,
+            options,
+            max_bytes,
+            total_layers if lockstep is not None else 0,
+            can_trim_prompt_cache,
+            trim_prompt_cache,
         )
         self._state = "ready"
         # The loaded model's objects live until the next load: keep the garbage
@@ -756,6 +813,55 @@ class Engine:
         gc.collect()
         gc.freeze()
         return info
+
+    def _prepare(
+        self, loaded, identity, options, context_size, generation, draft, sharding
+    ):
+        """The model's weights, its ModelInfo and decoder; over a group, every
+        rank's outcome, which all ranks must share."""
+        lockstep = self._lockstep if sharding is not None else None
+        error = None
+        try:
+            loaded, info = prepare_model(
+                loaded, identity, options, context_size, generation, sharding
+            )
+            if lockstep is None:
+                decoder = make_decoder(loaded.model, info.options, draft)
+            else:
+                decoder = make_plain_decoder(loaded.model, info.options)
+                if not decoder.capabilities.batching:
+                    raise InvalidArgument(
+                        "distributed serving needs a model whose KV caches batch"
+                    )
+                decoder = LeaderDecoder(decoder, lockstep)
+        except Exception as e:
+            if lockstep is None:
+                raise
+            error = e
+        if lockstep is not None:
+            lockstep.agree(error)
+        return loaded, info, decoder
+
+    def _join(self, options: LoadOptions) -> Lockstep | None:
+        """Rank 0's group, joined at the first load that names one."""
+        if self._lockstep is not None:
+            self._lockstep.check()
+            return self._lockstep
+        settings = leader_settings(options, os.environ)
+        if settings is None:
+            return None
+        if self._joining is None or self._joining.error is not None:
+            self._joining = Joining(settings)
+        group = self._joining.wait()
+        self._lockstep = Lockstep(group)
+        self._jobs = LeaderJobs(self._jobs, self._lockstep)
+        logger.info(
+            "rank 0 of a %s group of %d ranks (%s)",
+            settings.backend,
+            group.size(),
+            settings.hostfile,
+        )
+        return self._lockstep
 
     def _free(self) -> None:
         self._unload()

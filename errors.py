@@ -27,3 +27,7 @@ class ResourceExhausted(BackendError):
 
 class Aborted(BackendError):
     """The request was ended by the backend, e.g. its model was replaced (ABORTED)."""
+
+
+class Unavailable(BackendError):
+    """The backend can't serve now, e.g. a rank of its distributed group was lost (UNAVAILABLE)."""

@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class ThreadSafeLRUPromptCache:
         trim_fn: ``trim_fn(prompt_cache, n)`` drops the last ``n`` tokens.
         max_bytes: The most bytes of KV arrays kept; an entry larger than this
           is not kept at all.
+        size_fn: ``size_fn(prompt_cache) -> int``, the bytes an entry counts
+          (default ``cache_nbytes``).
     """
 
     def __init__(
@@ -57,9 +60,11 @@ class ThreadSafeLRUPromptCache:
         can_trim_fn: Callable[[list], bool] | None = None,
         trim_fn: Callable[[list, int], Any] | None = None,
         max_bytes: int = 1 << 62,
+        size_fn: Callable[[list], int] = cache_nbytes,
     ):
         self.max_size = max_size
         self.max_bytes = max_bytes
+        self._size = size_fn
         self._can_trim = can_trim_fn
         self._trim = trim_fn
         self._trie = PromptTrie()
@@ -128,7 +133,7 @@ class ThreadSafeLRUPromptCache:
         that many fetches of its exact tokens or of longer prompts before it leaves.
         """
         key = (model_key, tuple(tokens))
-        nbytes = cache_nbytes(prompt_cache)
+        nbytes = self._size(prompt_cache)
         with self._lock:
             entry = self._lru.get(key)
             if entry is not None:
@@ -150,6 +155,35 @@ class ThreadSafeLRUPromptCache:
                 old_key, old = self._lru.popitem(last=False)
                 self._trie.pop(*old_key)
                 self._nbytes -= old.nbytes
+
+    def fetch_for_prompt(
+        self, model_key: Hashable, tokens: Sequence[int]
+    ) -> tuple[list | None, list[int]]:
+        """Like ``fetch_nearest_cache``, but at least one token is left to run:
+        an exact hit is trimmed by one token (or missed when it can't be), since
+        generation needs the logits of the last prompt token."""
+        prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens)
+        if prompt_cache is not None and not rest:
+            if self._can_trim is not None and self._can_trim(prompt_cache):
+                self._trim(prompt_cache, 1)
+                return prompt_cache, list(tokens[-1:])
+            return None, list(tokens)
+        return prompt_cache, rest
+
+    def insert_state(
+        self,
+        model_key: Hashable,
+        tokens: Sequence[int],
+        prompt_cache: list,
+        holders: int = 1,
+    ) -> None:
+        """Keep a sequence's KV state: the tokens its layers hold (a cancelled
+        prefill keeps whole chunks, so it can hold fewer than it was given),
+        evaluated now, so that a lazy slice never pins a whole batch's buffers."""
+        length = min(getattr(prompt_cache[0], "offset", 0), len(tokens))
+        if length > 1:
+            mx.eval([layer.state for layer in prompt_cache])
+            self.insert_cache(model_key, list(tokens[:length]), prompt_cache, holders)
 
     def cached_length(self, model_key: Hashable, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` a fetch would serve; takes nothing."""

@@ -18,8 +18,10 @@ from cpu_path import ComputePath, prepare_for_cpu
 from detokenizer import TokenBytes, make_token_bytes
 from gguf_loader import load_gguf
 from grammar import GrammarCompiler
+from mlx_utils import release_memory
 from python_utils import LoadOptions
 from score_embedding import hidden_state_model
+from sharding import Sharding
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +210,7 @@ def prepare_model(
     options: LoadOptions,
     context_size: int,
     generation: int,
+    sharding: Sharding | None = None,
 ) -> tuple[LoadedModel, ModelInfo]:
     """Load the weights and build what serving the model needs.
 
@@ -217,14 +220,27 @@ def prepare_model(
         options: The parsed LoadModel options.
         context_size: ``ContextSize``; 0 takes the model's own limit.
         generation: The number of this load, which requests carry.
+        sharding: This rank's share of the model, when serving over a group.
 
     Returns:
         The model to serve (dequantized on a fast-BLAS CPU) and its ``ModelInfo``.
     """
+    layout = ""
+    if sharding is not None and sharding.early:
+        layout = sharding.apply(loaded.model)
     mx.eval(loaded.model.parameters())
     model, compute_path = prepare_for_cpu(
         loaded.model, options.dequantize, options.dequantize_max_bytes
     )
+    if sharding is not None:
+        if not sharding.early:
+            layout = sharding.apply(model)
+            mx.eval(model.parameters())
+            release_memory()
+        sharding.share_inputs(model)
+        compute_path = dataclasses.replace(
+            compute_path, description=f"{compute_path.description}; {layout}"
+        )
     loaded = dataclasses.replace(loaded, model=model)
     if options.prefill_step_size is None:
         options = dataclasses.replace(

@@ -52,6 +52,14 @@ class LoadOptions:
     num_draft_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
+    # Serving over an MLX distributed group (distributed.py): MLX's hostfile JSON
+    # (or the env MLX_DISTRIBUTED_HOSTFILE), "ring", "jaccl" or "mpi" (or the env
+    # MLX_DISTRIBUTED_BACKEND), "auto", "tensor" or "pipeline", and the seconds
+    # the workers have to join.
+    hostfile: str = ""
+    distributed_backend: str = ""
+    distributed_mode: str = "auto"
+    distributed_timeout: float = 60.0
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -72,6 +80,8 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean, got {text!r}")
 
 
+# String options that are paths, whose case matters.
+_CASE_SENSITIVE = {"hostfile"}
 _OPTION_ALIASES = {"temp": "temperature", "penalty": "repetition_penalty"}
 
 
@@ -99,6 +109,8 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
                 values[key] = parse_bool(raw)
             elif "int" in str(kind):
                 values[key] = int(raw.strip())
+            elif key in _CASE_SENSITIVE:
+                values[key] = raw.strip()
             elif "str" in str(kind):
                 values[key] = raw.strip().lower()
             else:
@@ -142,6 +154,17 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         )
     if parsed.ngram_max < parsed.ngram_min:
         raise InvalidArgument("Options: ngram_max must be at least ngram_min")
+    if parsed.distributed_backend not in ("", *DISTRIBUTED_BACKENDS):
+        raise InvalidArgument(
+            "Options: distributed_backend must be one of "
+            f"{', '.join(DISTRIBUTED_BACKENDS)}"
+        )
+    if parsed.distributed_mode not in DISTRIBUTED_MODES:
+        raise InvalidArgument(
+            f"Options: distributed_mode must be one of {', '.join(DISTRIBUTED_MODES)}"
+        )
+    if not parsed.distributed_timeout > 0:
+        raise InvalidArgument("Options: distributed_timeout must be positive")
     if parsed.embedding_pooling not in EMBEDDING_POOLINGS:
         raise InvalidArgument(
             f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"
@@ -172,6 +195,8 @@ def check_sampling(field: str, name: str, value: float) -> float:
 
 EMBEDDING_POOLINGS = ("mean", "last")
 SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
+DISTRIBUTED_BACKENDS = ("ring", "jaccl", "mpi")
+DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # Proposed tokens one step may verify, at most (LoadModel option and NDraft).
 MAX_DRAFT_TOKENS = 32
 # OpenAI's limit on alternatives per token.
