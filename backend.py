@@ -28,7 +28,7 @@ import backend_pb2
 import backend_pb2_grpc
 from chat_output import Delta, merge_deltas
 from cpu_path import maybe_reexec_with_fast_blas
-from distributed import launched_rank, run_worker, worker_settings
+from distributed import LOST, launched_rank, run_worker, worker_settings
 from engine import Engine
 from errors import (
     Aborted,
@@ -562,7 +562,13 @@ def main(
             )
         except BackendError as e:
             parser.error(str(e))
-        sys.exit(run_worker(settings))
+        status = run_worker(settings)
+        if status == LOST and args.worker:
+            # LocalAI restarts a lost rank 0; its MLX group can only be joined
+            # by a fresh process.
+            logger.info("waiting for rank 0 to come back")
+            os.execv(sys.executable, [sys.executable, *sys.argv])
+        sys.exit(status)
     asyncio.run(serve(args.addr, args.model, servicer_class=servicer_class))
 
 

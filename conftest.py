@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,45 @@ def backend_environment() -> dict:
     if fast_blas_in_use(os.environ):
         return blas_choice_environment(os.environ, "auto")
     return dict(os.environ)
+
+
+def write_hostfile(folder: Path, ranks: int) -> Path:
+    """MLX's ring hostfile for ``ranks`` processes on loopback, on free ports."""
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(ranks)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    path = folder / f"hosts-{ranks}-{ports[0]}.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    return path
+
+
+class Worker:
+    """A distributed worker process: ``backend.py --worker --rank N``."""
+
+    def __init__(self, hostfile: Path, rank: int):
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"worker{rank}-", suffix=".log", delete=False
+        )
+        command = [sys.executable, str(HERE / "backend.py"), "--worker"]
+        command += ["--hostfile", str(hostfile), "--rank", str(rank)]
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=backend_environment(),
+            cwd=HERE,
+        )
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
 
 
 class Server:
@@ -296,13 +336,16 @@ TINY_LLAMA = {
 }
 
 
-def make_tiny_draft(folder: Path, vocabulary_changed: bool = False) -> Path:
-    """A one-layer llama with random weights and the default model's tokenizer: a
-    draft model whose proposals are mostly wrong. ``vocabulary_changed`` adds a
-    token, so its vocabulary differs from the model's."""
+def make_tiny_draft(
+    folder: Path, vocabulary_changed: bool = False, layers: int = 1
+) -> Path:
+    """A llama of ``layers`` layers with random weights and the default model's
+    tokenizer: a draft model whose proposals are mostly wrong, or a model whose
+    head counts divide by 2. ``vocabulary_changed`` adds a token, so its
+    vocabulary differs from the model's."""
     config = {
         **TINY_LLAMA,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": layers,
         "vocab_size": 49152,
         "tie_word_embeddings": True,
         "max_position_embeddings": 8192,

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -53,6 +54,13 @@ HEADER_BYTES = 4096
 HEARTBEAT_SECONDS = 5.0
 # Each rank's load outcome, gathered at the end of a load.
 STATUS_BYTES = 512
+# What a worker sends rank 0 before the group forms, followed by its rank.
+CHECK_IN = b"mlx-backend-worker"
+# run_worker's exit status when rank 0 was lost (not shut down): a worker
+# started on its own then starts afresh and waits for rank 0 to come back.
+LOST = 75
+# A step of a group that takes longer than this is a hung collective.
+STALL_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
@@ -129,59 +137,102 @@ def _ring_addresses(hostfile: str) -> list[list[str]]:
         return []
 
 
-def missing_ranks(settings: GroupSettings) -> str:
-    """Which ranks are not up, for the message of a join that timed out.
+def _rank0_address(settings: GroupSettings) -> tuple[str, int, int] | None:
+    """Rank 0's host and port in a ring hostfile, and the group's size."""
+    hostfile = settings.hostfile or os.environ.get("MLX_HOSTFILE", "")
+    addresses = _ring_addresses(hostfile) if settings.backend == "ring" else []
+    if len(addresses) < 2:
+        return None
+    host, _, port = addresses[0][0].rpartition(":")
+    return host, int(port), len(addresses)
 
-    Only asked once the join has failed: a rank waiting in MLX's ring takes the
-    probe for its neighbour and has to join again.
+
+def _read(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def gather_workers(settings: GroupSettings) -> None:
+    """Rank 0: wait until every worker of a ring has checked in at rank 0's
+    address, then let them all join.
+
+    MLX's ``init`` holds the interpreter lock while it waits for missing ranks, so
+    the whole backend would hang with it; this check-in waits without the lock,
+    for ``settings.timeout`` at most, and names the ranks that never came.
     """
-    addresses = _ring_addresses(settings.hostfile) if settings.backend == "ring" else []
-    if not addresses:
-        return "some of ranks 1 and up did not join"
-    down = []
-    for rank, listed in enumerate(addresses[1:], start=1):
-        host, _, port = listed[0].rpartition(":")
+    found = _rank0_address(settings)
+    if found is None:
+        return
+    host, port, size = found
+    checked_in: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + settings.timeout
+    try:
+        with socket.create_server((host, port)) as server:
+            server.settimeout(0.2)
+            while len(checked_in) < size - 1:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, size)) - set(checked_in))
+                    names = ", ".join(str(rank) for rank in missing)
+                    raise Unavailable(
+                        f"rank {names} of the distributed group ({settings.hostfile}) "
+                        f"did not join within {settings.timeout:g} s: start each "
+                        "worker with run.sh --worker --hostfile HOSTFILE --rank N"
+                    )
+                try:
+                    conn, _ = server.accept()
+                    conn.settimeout(2)
+                    hello = _read(conn, len(CHECK_IN) + 4)
+                except OSError:
+                    continue
+                rank = int.from_bytes(hello[len(CHECK_IN) :], "little")
+                if not hello.startswith(CHECK_IN) or not 0 < rank < size:
+                    conn.close()
+                    continue
+                if rank in checked_in:
+                    checked_in[rank].close()
+                checked_in[rank] = conn
+        # Closed before the workers go: their MLX connections must reach MLX's
+        # listener, not this one's backlog.
+        for conn in checked_in.values():
+            conn.sendall(b"go")
+        # Workers hang up first, so rank 0's port is free for MLX at once.
+        for conn in checked_in.values():
+            try:
+                conn.recv(1)
+            except OSError:
+                pass
+    finally:
+        for conn in checked_in.values():
+            conn.close()
+
+
+def check_in(settings: GroupSettings, retry_seconds: float = 0.5) -> None:
+    """A worker: wait until rank 0 lets the group join (see ``gather_workers``)."""
+    found = _rank0_address(settings)
+    if found is None:
+        return
+    host, port, _ = found
+    while True:
         try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-        except (OSError, ValueError):
-            down.append(f"rank {rank} ({listed[0]})")
-    if not down:
-        return (
-            f"ranks 1-{len(addresses) - 1} are listening, but the ring did not form "
-            "(check the hostfile and the firewall)"
-        )
-    return f"{', '.join(down)} did not join: nothing listens there"
+            with socket.create_connection((host, port), timeout=2) as conn:
+                conn.sendall(CHECK_IN + settings.rank.to_bytes(4, "little"))
+                conn.settimeout(None)
+                if _read(conn, 2) == b"go":
+                    return
+        except OSError:
+            pass
+        time.sleep(retry_seconds)
 
 
-class Joining:
-    """Rank 0 joining its group on a thread of its own: MLX's init blocks until
-    every rank is up, and a LoadModel must fail within ``settings.timeout``."""
-
-    def __init__(self, settings: GroupSettings):
-        self.settings = settings
-        self.group: mx.distributed.Group | None = None
-        self.error: Exception | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._join, name="mlx-join", daemon=True).start()
-
-    def _join(self) -> None:
-        try:
-            self.group = init_group(self.settings)
-        except Exception as e:
-            self.error = e
-        self._done.set()
-
-    def wait(self) -> mx.distributed.Group:
-        settings = self.settings
-        if not self._done.wait(settings.timeout):
-            raise Unavailable(
-                f"the distributed group ({settings.backend}, {settings.hostfile}) did "
-                f"not form within {settings.timeout:g} s: {missing_ranks(settings)}; "
-                "start each worker with run.sh --worker --hostfile HOSTFILE --rank N"
-            )
-        if self.error is not None:
-            raise Unavailable(f"joining the distributed group failed: {self.error}")
-        return self.group
+def join_group(settings: GroupSettings) -> mx.distributed.Group:
+    """Rank 0's group, once every worker is up."""
+    gather_workers(settings)
+    return init_group(settings)
 
 
 # Ops: what rank 0 did that the workers replay, in order.
@@ -276,13 +327,44 @@ class Lockstep:
     receive them. Both number the KV states their decoders hand out between two
     broadcasts the same way, so an op can name one (``Keep.ref``)."""
 
-    def __init__(self, group: mx.distributed.Group):
+    def __init__(
+        self, group: mx.distributed.Group, stall_seconds: float = STALL_SECONDS
+    ):
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self.broken: str | None = None
         self._ops: list = []
         self._states: list[list] = []
+        self._stall = stall_seconds
+        self._since: float | None = None
+        threading.Thread(target=self._watch, name="mlx-watchdog", daemon=True).start()
+
+    @contextmanager
+    def watching(self):
+        """A stretch of work that must not hang: MLX can't interrupt every
+        collective whose peer is gone (a pipeline's recv waits on), so the
+        process exits, and LocalAI (or whoever started it) starts it again."""
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            since = self._since
+            if since is not None and time.monotonic() - since > self._stall:
+                logger.critical(
+                    "rank %d: a step of the distributed group has hung for %.0f s "
+                    "(a rank is gone or stuck); exiting so that the backend is "
+                    "restarted",
+                    self.rank,
+                    time.monotonic() - since,
+                )
+                logging.shutdown()
+                os._exit(70)
 
     # -- rank 0 --------------------------------------------------------------
 
@@ -363,6 +445,9 @@ class Lockstep:
                 return [summed, mx.distributed.all_sum(tail, group=self.group)]
             data = bytes(np.array(summed, copy=False))
             size = int.from_bytes(data[:4], "little")
+            if size == 0:
+                # Rank 0 never sends nothing: its sockets closed mid-collective.
+                raise ConnectionError("rank 0 is gone")
             body = data[4 : 4 + size]
             if size > HEADER_BYTES - 4:
                 tail = mx.zeros((size - (HEADER_BYTES - 4),), mx.uint8)
@@ -606,9 +691,11 @@ class Follower:
                     self._decoder.reset()
             case Keep(ref, model_key, tokens, holders):
                 state = self._lockstep.state(ref)
-                self._cache.insert_state(model_key, tokens, state, holders)
+                with self._lockstep.watching():
+                    self._cache.insert_state(model_key, tokens, state, holders)
             case Step():
-                results = self._decoder.step()
+                with self._lockstep.watching():
+                    results = self._decoder.step()
                 for result in results:
                     if result.error is not None:
                         raise RuntimeError(f"a step failed: {result.error}")
@@ -617,7 +704,7 @@ class Follower:
             case AddJob(request):
                 self._jobs.add(request, Future())
             case StepJobs():
-                with mx.stream(thread_stream()):
+                with mx.stream(thread_stream()), self._lockstep.watching():
                     self._jobs.step(self._model, self._options, lambda: None)
             case AbortJobs():
                 if self._jobs is not None:
@@ -737,21 +824,24 @@ def worker_settings(
 
 
 def run_worker(settings: GroupSettings, retry_seconds: float = 1.0) -> int:
-    """Join the group (waiting as long as rank 0 takes to load a model), then
-    follow rank 0 until it exits; the process's exit status."""
-    while True:
-        try:
-            group = init_group(settings)
-            break
-        except RuntimeError as e:
-            logger.info(
-                "rank %d: rank 0 is not up yet (%s); retrying", settings.rank, e
-            )
-            time.sleep(retry_seconds)
+    """Check in with rank 0 (waiting as long as it takes to load a model), join
+    the group, then follow rank 0 until it exits; the process's exit status."""
+    group = None
+    while group is None:
+        check_in(settings)
+        # After the check-in rank 0 joins at once; a worker that still can't
+        # reach it checks in again.
+        for _ in range(3):
+            try:
+                group = init_group(settings)
+                break
+            except RuntimeError as e:
+                logger.info("rank %d: joining failed (%s); retrying", settings.rank, e)
+                time.sleep(retry_seconds)
     logger.info("rank %d of %d joined the group", group.rank(), group.size())
     try:
         Follower(Lockstep(group)).run()
     except Exception as e:
         logger.error("rank %d: leaving the group: %s", group.rank(), e)
-        return 1
+        return LOST
     return 0

@@ -33,13 +33,13 @@ from decoders import (
 from distributed import (
     HEARTBEAT_SECONDS,
     Exit,
-    Joining,
     LeaderDecoder,
     LeaderJobs,
     Load,
     Lockstep,
     Ping,
     Unload,
+    join_group,
     leader_settings,
     make_group_prompt_cache,
 )
@@ -244,7 +244,6 @@ class Engine:
         self._prefilled_tokens = 0
         # Serving over a distributed group: rank 0's channel to the workers.
         self._lockstep: Lockstep | None = None
-        self._joining: Joining | None = None
         self._thread = threading.Thread(
             target=self._run, name="mlx-engine", daemon=True
         )
@@ -311,7 +310,11 @@ class Engine:
             try:
                 running = self._schedule()
                 if running and self._busy():
-                    self._step()
+                    if self._lockstep is None:
+                        self._step()
+                    else:
+                        with self._lockstep.watching():
+                            self._step()
             except Exception:
                 # Never let the thread die: every waiting handler would hang.
                 logger.exception("engine loop failed")
@@ -697,7 +700,8 @@ class Engine:
         """While idle, check that every rank of the group is still there."""
         if self._lockstep.broken is None:
             try:
-                self._lockstep.flush(Ping(), wait=True)
+                with self._lockstep.watching():
+                    self._lockstep.flush(Ping(), wait=True)
             except Unavailable:
                 pass
         self._publish()
@@ -850,9 +854,7 @@ class Engine:
         settings = leader_settings(options, os.environ)
         if settings is None:
             return None
-        if self._joining is None or self._joining.error is not None:
-            self._joining = Joining(settings)
-        group = self._joining.wait()
+        group = join_group(settings)
         self._lockstep = Lockstep(group)
         self._jobs = LeaderJobs(self._jobs, self._lockstep)
         logger.info(
