@@ -41,6 +41,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import backend_pb2 as pb
 from bench_batching import bench_batching, percentile
+from bench_distributed import bench_distributed
 from bench_prefix import bench_prefix
 from bench_speculative import bench_speculative
 from conftest import Server
@@ -370,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-prefix", action="store_true", help="skip part 5")
     parser.add_argument("--speculative-rounds", type=int, default=5)
     parser.add_argument("--skip-speculative", action="store_true", help="skip part 6")
+    parser.add_argument("--distributed-rounds", type=int, default=1)
+    parser.add_argument("--distributed-tokens", type=int, default=32)
+    parser.add_argument("--skip-distributed", action="store_true", help="skip part 7")
     parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -431,6 +435,12 @@ def main(argv: list[str] | None = None) -> None:
                 speculating, plain, str(exported), folder, args.speculative_rounds
             )
             lines += [""] + part
+    if not (args.skip_distributed or args.only_batching):
+        # After the other parts' servers are gone: each rank wants the cores.
+        report["distributed"], part = bench_distributed(
+            args.distributed_rounds, args.distributed_tokens
+        )
+        lines += [""] + part
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
