@@ -1,6 +1,7 @@
 """The Linux CPU path: a fast BLAS found and preloaded by a re-exec, quantized
 weights dequantized when that is faster, and the step pacing of a CPU decode."""
 
+import ctypes
 import importlib.metadata
 import logging
 import os
@@ -152,6 +153,39 @@ DEQUANTIZE_ENV = "MLX_BACKEND_DEQUANTIZE"
 CPU_PREFILL_STEP_SIZE = 256
 # The share of physical memory dequantized weights may take by default.
 DEQUANTIZE_MEMORY_FRACTION = 0.4
+
+
+# How each fast BLAS family sets and reads its thread count.
+_THREAD_CALLS = (
+    ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads"),
+    ("openblas_set_num_threads", "openblas_get_num_threads"),
+)
+
+
+def _blas_thread_calls():
+    library = fast_blas_in_use(os.environ)
+    if library is None:
+        return None
+    blas = ctypes.CDLL(library)
+    for setter, getter in _THREAD_CALLS:
+        if hasattr(blas, setter):
+            return getattr(blas, setter), getattr(blas, getter)
+    return None
+
+
+def set_blas_threads(count: int) -> bool:
+    """Cap the fast BLAS at ``count`` threads; False without a fast BLAS."""
+    calls = _blas_thread_calls()
+    if calls is None:
+        return False
+    calls[0](ctypes.c_int(count))
+    return True
+
+
+def blas_threads() -> int | None:
+    """The fast BLAS's thread count, as the library reports it."""
+    calls = _blas_thread_calls()
+    return None if calls is None else int(calls[1]())
 
 
 def physical_memory() -> int:
