@@ -60,8 +60,6 @@ CHECK_IN = b"mlx-backend-worker"
 # run_worker's exit status when rank 0 was lost (not shut down): a worker
 # started on its own then starts afresh and waits for rank 0 to come back.
 LOST = 75
-# A step of a group that takes longer than this is a hung collective.
-STALL_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
@@ -350,16 +348,15 @@ class Lockstep:
     receive them. Both number the KV states their decoders hand out between two
     broadcasts the same way, so an op can name one (``Keep.ref``)."""
 
-    def __init__(
-        self, group: mx.distributed.Group, stall_seconds: float = STALL_SECONDS
-    ):
+    def __init__(self, group: mx.distributed.Group, stall_seconds: float = 20.0):
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self.broken: str | None = None
         self._ops: list = []
         self._states: list[list] = []
-        self._stall = stall_seconds
+        # A step that takes longer is a hung collective (distributed_step_timeout).
+        self.stall_seconds = stall_seconds
         self._since: float | None = None
         threading.Thread(target=self._watch, name="mlx-watchdog", daemon=True).start()
 
@@ -378,7 +375,7 @@ class Lockstep:
         while True:
             time.sleep(1.0)
             since = self._since
-            if since is not None and time.monotonic() - since > self._stall:
+            if since is not None and time.monotonic() - since > self.stall_seconds:
                 logger.critical(
                     "rank %d: a step of the distributed group has hung for %.0f s "
                     "(a rank is gone or stuck); exiting so that the backend is "
@@ -768,6 +765,7 @@ class Follower:
         from sharding import Sharding
 
         self._unload()
+        self._lockstep.stall_seconds = op.options.distributed_step_timeout
         error = None
         try:
             started = time.perf_counter()

@@ -790,6 +790,7 @@ class Engine:
         )
         generation = self._generation + 1
         if lockstep is not None:
+            lockstep.stall_seconds = options.distributed_step_timeout
             lockstep.record(
                 Load(name, kwargs, options, context_size, generation, mode, max_bytes)
             )

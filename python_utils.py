@@ -54,12 +54,13 @@ class LoadOptions:
     ngram_max: int = 4
     # Serving over an MLX distributed group (distributed.py): MLX's hostfile JSON
     # (or the env MLX_DISTRIBUTED_HOSTFILE), "ring", "jaccl" or "mpi" (or the env
-    # MLX_DISTRIBUTED_BACKEND), "auto", "tensor" or "pipeline", and the seconds
-    # the workers have to join.
+    # MLX_DISTRIBUTED_BACKEND), "auto", "tensor" or "pipeline", the seconds the
+    # workers have to join, and the seconds a step may take before it counts as hung.
     hostfile: str = ""
     distributed_backend: str = ""
     distributed_mode: str = "auto"
     distributed_timeout: float = 60.0
+    distributed_step_timeout: float = 20.0
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -163,8 +164,9 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         raise InvalidArgument(
             f"Options: distributed_mode must be one of {', '.join(DISTRIBUTED_MODES)}"
         )
-    if not parsed.distributed_timeout > 0:
-        raise InvalidArgument("Options: distributed_timeout must be positive")
+    for name in ("distributed_timeout", "distributed_step_timeout"):
+        if not getattr(parsed, name) > 0:
+            raise InvalidArgument(f"Options: {name} must be positive")
     if parsed.embedding_pooling not in EMBEDDING_POOLINGS:
         raise InvalidArgument(
             f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"

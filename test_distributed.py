@@ -115,6 +115,7 @@ def test_bad_distributed_options_are_invalid_argument():
         ("distributed_backend:tcp", "distributed_backend"),
         ("distributed_mode:data", "distributed_mode"),
         ("distributed_timeout:0", "distributed_timeout"),
+        ("distributed_step_timeout:-1", "distributed_step_timeout"),
     ]:
         with pytest.raises(InvalidArgument, match=field):
             parse_options([option])
@@ -199,7 +200,11 @@ def group(tiny_model, tmp_path_factory):
     srv = Server()
     try:
         result = load(
-            srv, tiny_model, f"hostfile:{hostfile}", "distributed_mode:tensor"
+            srv,
+            tiny_model,
+            f"hostfile:{hostfile}",
+            "distributed_mode:tensor",
+            "distributed_step_timeout:8",
         )
     except BaseException:
         print(worker.logs())
@@ -287,7 +292,8 @@ def test_cancelling_a_stream_keeps_the_group_serving(group, reference):
 
 def test_a_killed_worker_ends_requests_with_unavailable(group):
     """Rank 0 reports the lost group, or, when MLX cannot interrupt a collective
-    (or aborts), exits; either way within 30 s, and nothing hangs."""
+    (or aborts), exits (here after distributed_step_timeout, 8 s); either way
+    within 30 s, and nothing hangs."""
     srv, worker = group
     replies: list = []
     error: list = []
@@ -335,7 +341,13 @@ def test_rank_0_exits_when_a_pipeline_stage_hangs(tmp_path):
     worker = Worker(hostfile, 1)
     srv = Server()
     try:
-        load(srv, MODEL, f"hostfile:{hostfile}", "distributed_mode:pipeline")
+        load(
+            srv,
+            MODEL,
+            f"hostfile:{hostfile}",
+            "distributed_mode:pipeline",
+            "distributed_step_timeout:5",
+        )
         stream = srv.stub.PredictStream(
             pb.PredictOptions(Prompt=PROMPTS[3], Tokens=5000, IgnoreEOS=True),
             timeout=60,
@@ -347,7 +359,7 @@ def test_rank_0_exits_when_a_pipeline_stage_hangs(tmp_path):
             for _ in stream:
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        srv.process.wait(30 - (time.monotonic() - killed))
+        srv.process.wait(15 - (time.monotonic() - killed))
         assert srv.process.returncode != 0
     finally:
         srv.stop()
