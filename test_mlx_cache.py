@@ -298,3 +298,25 @@ def test_cached_length_peeks_without_taking():
     untrimmable = make_cache()
     untrimmable.insert_cache("m", [1, 2, 3, 4], fake([1, 2, 3, 4], trimmable=False))
     assert untrimmable.cached_length("m", [1, 2, 7]) == 0
+
+
+def test_a_prompt_fetch_leaves_one_token_to_run():
+    cache = make_cache()
+    entry = fake([1, 2, 3])
+    cache.insert_cache("m", [1, 2, 3], entry)
+    found, rest = cache.fetch_for_prompt("m", [1, 2, 3])
+    assert found is entry and rest == [3]
+    assert entry[0].tokens == [1, 2]
+    # An exact hit that can't be trimmed is a miss (and is used up).
+    cache.insert_cache("m", [4, 5, 6], fake([4, 5, 6], trimmable=False))
+    assert cache.fetch_for_prompt("m", [4, 5, 6]) == (None, [4, 5, 6])
+    assert len(cache) == 0
+
+
+def test_entries_count_the_bytes_size_fn_says():
+    # Rank sizes of a pipeline: 1 layer here stands for 4.
+    cache = make_cache(max_bytes=200, size_fn=lambda c: 4 * sum(l.nbytes for l in c))
+    cache.insert_cache("m", [1, 2, 3], fake([1, 2, 3], layers=1))
+    assert cache.nbytes == 120
+    cache.insert_cache("m", [7, 8, 9], fake([7, 8, 9], layers=1))
+    assert len(cache) == 1 and cache.nbytes == 120
