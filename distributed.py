@@ -795,7 +795,7 @@ class Follower:
             return
         self._model, self._options = loaded.model, info.options
         self._decoder, self._cache = decoder, cache
-        self._jobs = JobQueue(self._fetch, self._cache.insert_state)
+        self._jobs = JobQueue(self._fetch, self._keep)
         self._generation = op.generation
         logger.info(
             "loaded %s in %.1f s: %s",
@@ -809,6 +809,10 @@ class Follower:
         if kv_cache is None:
             kv_cache = make_kv_cache(self._model, self._options.max_kv_size)
         return kv_cache, tuple(rest)
+
+    def _keep(self, generation: int, kv_cache: list, tokens, holders: int = 1) -> None:
+        # As the engine's _save_cache, which rank 0's jobs call.
+        self._cache.insert_state(generation, tokens, kv_cache, holders)
 
     def _unload(self) -> None:
         if self._decoder is not None:

@@ -278,6 +278,33 @@ def test_score_and_embedding_match_one_process(group, reference):
     assert got == pytest.approx(expected, abs=1e-4)
 
 
+def reused_tokens(stub) -> int:
+    breakdown = stub.Status(pb.HealthMessage()).memory.breakdown
+    return breakdown["prompt_cache_reused_tokens"]
+
+
+def test_a_scored_prompt_serves_generation_on_every_rank(group, reference):
+    # Score jobs put their prompt's KV state in the prompt cache of every rank.
+    srv, _ = group
+    prompt = "A scored prompt, then a generation from its KV state:"
+    srv.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=[" yes"]))
+    before = reused_tokens(srv.stub)
+    assert text(srv.stub, prompt) == text(reference.stub, prompt)
+    assert reused_tokens(srv.stub) > before
+
+
+def test_a_burst_sharing_a_long_prefix_prefills_it_once(group, reference):
+    srv, _ = group
+    prefix = "Here is a long shared system prompt about lighthouses. " * 12
+    prompts = [f"{prefix}Question {i}: what is a lamp?" for i in range(3)]
+    expected = [text(reference.stub, p) for p in prompts]
+    before = reused_tokens(srv.stub)
+    got = run_concurrently([lambda p=p: text(srv.stub, p) for p in prompts])
+    assert got == expected
+    # The two followers started from the leader's prefix snapshot.
+    assert reused_tokens(srv.stub) - before >= 2 * 100
+
+
 def test_cancelling_a_stream_keeps_the_group_serving(group, reference):
     srv, worker = group
     stream = srv.stub.PredictStream(
