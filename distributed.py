@@ -137,13 +137,22 @@ def _ring_addresses(hostfile: str) -> list[list[str]]:
 
 
 def _rank0_address(settings: GroupSettings) -> tuple[str, int, int] | None:
-    """Rank 0's host and port in a ring hostfile, and the group's size."""
-    hostfile = settings.hostfile or os.environ.get("MLX_HOSTFILE", "")
-    addresses = _ring_addresses(hostfile) if settings.backend == "ring" else []
-    if len(addresses) < 2:
+    """Where rank 0 takes the workers' check-ins, and the group's size: rank 0's
+    ring address, or the JACCL coordinator's. None for MPI (mpirun starts every
+    rank at once)."""
+    if settings.backend == "ring":
+        hosts = _ring_addresses(settings.hostfile or os.environ.get("MLX_HOSTFILE", ""))
+        address = hosts[0][0] if hosts else ""
+    elif settings.backend == "jaccl":
+        devices = settings.hostfile or os.environ.get("MLX_IBV_DEVICES", "")
+        hosts = _ring_addresses(devices)
+        address = settings.coordinator or os.environ.get("MLX_JACCL_COORDINATOR", "")
+    else:
         return None
-    host, _, port = addresses[0][0].rpartition(":")
-    return host, int(port), len(addresses)
+    host, _, port = address.rpartition(":")
+    if len(hosts) < 2 or not port.isdigit():
+        return None
+    return host, int(port), len(hosts)
 
 
 def _read(conn: socket.socket, size: int) -> bytes:
@@ -177,8 +186,9 @@ def gather_workers(settings: GroupSettings) -> None:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(1, size)) - set(checked_in))
                     names = ", ".join(str(rank) for rank in missing)
+                    ranks = "ranks" if len(missing) > 1 else "rank"
                     raise Unavailable(
-                        f"rank {names} of the distributed group ({settings.hostfile}) "
+                        f"{ranks} {names} of the distributed group ({settings.hostfile}) "
                         f"did not join within {settings.timeout:g} s: start each "
                         "worker with run.sh --worker --hostfile HOSTFILE --rank N"
                     )

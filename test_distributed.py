@@ -8,6 +8,8 @@ and Embedding. The default model runs pipeline parallel over 2 ranks under
 0's shutdown end as the README says.
 """
 
+import dataclasses
+import json
 import re
 import signal
 import socket
@@ -35,12 +37,14 @@ from conftest import (
 from cpu_path import blas_threads, set_blas_threads
 from distributed import (
     GroupSettings,
+    check_in,
+    gather_workers,
     group_environment,
     leader_settings,
     pipeline_size_fn,
     worker_settings,
 )
-from errors import InvalidArgument
+from errors import InvalidArgument, Unavailable
 from python_utils import parse_options
 from sharding import ShardingError, choose_mode
 from test_logprobs_score_embedding import entries_of
@@ -119,6 +123,32 @@ def test_bad_distributed_options_are_invalid_argument():
     ]:
         with pytest.raises(InvalidArgument, match=field):
             parse_options([option])
+
+
+def test_workers_check_in_before_the_group_forms(tmp_path):
+    """The check-in that precedes MLX's init, over loopback sockets alone."""
+    ring = write_hostfile(tmp_path, 3)
+    devices = tmp_path / "devices.json"
+    devices.write_text(json.dumps([[None, "rdma_en2"], ["rdma_en2", None]]))
+    # A free port for the JACCL coordinator (rank 0's, as mlx.launch sets it).
+    (coordinator,) = json.loads(write_hostfile(tmp_path, 1).read_text())[0]
+    for backend, hostfile, ranks in (("ring", ring, 3), ("jaccl", devices, 2)):
+        settings = GroupSettings(backend, str(hostfile), coordinator=coordinator)
+        workers = [
+            threading.Thread(
+                target=check_in, args=(dataclasses.replace(settings, rank=rank), 0.05)
+            )
+            for rank in range(1, ranks)
+        ]
+        for worker in workers:
+            worker.start()
+        gather_workers(dataclasses.replace(settings, timeout=10))
+        for worker in workers:
+            worker.join(10)
+            assert not worker.is_alive()
+    # No worker comes: the message names the ranks.
+    with pytest.raises(Unavailable, match="ranks 1, 2 of the distributed group"):
+        gather_workers(GroupSettings("ring", str(ring), timeout=1))
 
 
 class _Args:
