@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -128,9 +129,11 @@ def init_group(settings: GroupSettings) -> mx.distributed.Group:
     return mx.distributed.init(backend=settings.backend, strict=True)
 
 
-def _ring_addresses(hostfile: str) -> list[list[str]]:
+def _hostfile_entries(hostfile: str) -> list[list[str]]:
+    """A hostfile's entries, one list of strings a rank (ring addresses, or a
+    JACCL devices row); empty when it can't be read."""
     try:
-        hosts = json.loads(open(hostfile).read())
+        hosts = json.loads(Path(hostfile).read_text())
         return [[str(a) for a in (h if isinstance(h, list) else [h])] for h in hosts]
     except (OSError, ValueError, TypeError):
         return []
@@ -141,11 +144,13 @@ def _rank0_address(settings: GroupSettings) -> tuple[str, int, int] | None:
     ring address, or the JACCL coordinator's. None for MPI (mpirun starts every
     rank at once)."""
     if settings.backend == "ring":
-        hosts = _ring_addresses(settings.hostfile or os.environ.get("MLX_HOSTFILE", ""))
+        hosts = _hostfile_entries(
+            settings.hostfile or os.environ.get("MLX_HOSTFILE", "")
+        )
         address = hosts[0][0] if hosts else ""
     elif settings.backend == "jaccl":
         devices = settings.hostfile or os.environ.get("MLX_IBV_DEVICES", "")
-        hosts = _ring_addresses(devices)
+        hosts = _hostfile_entries(devices)
         address = settings.coordinator or os.environ.get("MLX_JACCL_COORDINATOR", "")
     else:
         return None
@@ -252,7 +257,7 @@ def share_cores(settings: GroupSettings, rank: int) -> None:
     take turns on them (a 2-rank pipeline on 2 cores: 8 streams at 37 tok/s with
     2 threads each, 75 with 1)."""
     hostfile = settings.hostfile or os.environ.get("MLX_HOSTFILE", "")
-    addresses = _ring_addresses(hostfile) if settings.backend == "ring" else []
+    addresses = _hostfile_entries(hostfile) if settings.backend == "ring" else []
     if rank >= len(addresses):
         return
     host = addresses[rank][0].rpartition(":")[0]
@@ -743,9 +748,7 @@ class Follower:
                 pass
 
     def _add(self, op: Add) -> None:
-        kv_cache, rest = self._cache.fetch_for_prompt(self._generation, op.prompt)
-        if kv_cache is None:
-            kv_cache = make_kv_cache(self._model, self._options.max_kv_size)
+        kv_cache, rest = self._fetch(op.prompt)
         reused = len(op.prompt) - len(rest)
         if reused != op.reused:
             raise RuntimeError(
@@ -755,7 +758,7 @@ class Follower:
         key = self._decoder.add(
             NewSequence(
                 prompt=op.prompt,
-                rest=tuple(rest),
+                rest=rest,
                 kv_cache=kv_cache,
                 sampler=_greedy,
                 processors=[],

@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -310,11 +311,8 @@ class Engine:
             try:
                 running = self._schedule()
                 if running and self._busy():
-                    if self._lockstep is None:
+                    with self._watching():
                         self._step()
-                    else:
-                        with self._lockstep.watching():
-                            self._step()
             except Exception:
                 # Never let the thread die: every waiting handler would hang.
                 logger.exception("engine loop failed")
@@ -696,11 +694,15 @@ class Engine:
             self._decoder.close()
             self._decoder = None
 
+    def _watching(self):
+        """Over a group, a turn that hangs in a collective ends the process."""
+        return nullcontext() if self._lockstep is None else self._lockstep.watching()
+
     def _heartbeat(self) -> None:
         """While idle, check that every rank of the group is still there."""
         if self._lockstep.broken is None:
             try:
-                with self._lockstep.watching():
+                with self._watching():
                     self._lockstep.flush(Ping(), wait=True)
             except Unavailable:
                 pass
