@@ -40,8 +40,10 @@ from errors import (
     Unavailable,
     Unimplemented,
 )
+from lora import make_adapters
 from model_loading import ModelInfo
 from python_utils import (
+    apply_cache_types,
     parse_duration,
     parse_options,
     render_sample_chat,
@@ -228,6 +230,16 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def load(self, request) -> backend_pb2.Result:
         try:
             options = parse_options(request.Options)
+            options = apply_cache_types(
+                options, request.CacheTypeKey, request.CacheTypeValue
+            )
+            adapters = make_adapters(
+                request.LoraAdapter,
+                request.LoraScale,
+                request.LoraAdapters,
+                request.LoraScales,
+                request.ModelPath,
+            )
         except BackendError as e:
             return backend_pb2.Result(success=False, message=str(e))
         model = "" if request.Model == DEFAULT_MODEL_REF else request.Model
@@ -237,9 +249,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             request.ContextSize,
             identity=request.Model,
             draft=request.DraftModel,
+            adapters=adapters,
             model_file=request.ModelFile,
             model_path=request.ModelPath,
-            adapter=request.LoraAdapter or None,
         )
         try:
             info = await asyncio.wrap_future(future)

@@ -394,8 +394,8 @@ class SingleDecoder(Decoder):
 
 def make_plain_decoder(model: nn.Module, options: LoadOptions) -> Decoder:
     """The decoder for a loaded model: batched when its KV caches can be merged."""
-    trimmable = can_trim_prompt_cache(make_kv_cache(model, options.max_kv_size))
-    why = unbatchable_reason(model, options.max_kv_size)
+    trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
+    why = unbatchable_reason(model, options)
     if why:
         logger.info("requests run one sequence each: %s", why)
         return SingleDecoder(model, options, trimmable)

@@ -820,7 +820,7 @@ class Follower:
     def _fetch(self, prompt) -> tuple[list, tuple[int, ...]]:
         kv_cache, rest = self._cache.fetch_for_prompt(self._generation, prompt)
         if kv_cache is None:
-            kv_cache = make_kv_cache(self._model, self._options.max_kv_size)
+            kv_cache = make_kv_cache(self._model, self._options)
         return kv_cache, tuple(rest)
 
     def _keep(self, generation: int, kv_cache: list, tokens, holders: int = 1) -> None:

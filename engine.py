@@ -52,6 +52,7 @@ from errors import (
     ResourceExhausted,
     Unavailable,
 )
+from lora import Adapter, check_adapters
 from mlx_cache import ThreadSafeLRUPromptCache
 from mlx_utils import make_kv_cache, memory_snapshot, release_memory
 from model_loading import (
@@ -284,15 +285,17 @@ class Engine:
         context_size: int,
         identity: str = "",
         draft: str = "",
+        adapters: tuple[Adapter, ...] = (),
         **kwargs,
     ) -> Future:
         """Load ``name``; a failure before its weights load keeps the current model.
 
         ``identity`` is the ``Model`` string requests' ``ModelIdentity`` must match;
-        ``draft`` is ``DraftModel``, the proposer of speculative decoding.
+        ``draft`` is ``DraftModel``, the proposer of speculative decoding;
+        ``adapters`` are the LoRA adapters to apply.
         """
         return self.call(
-            self._load, name, identity, draft, options, context_size, kwargs
+            self._load, name, identity, draft, adapters, options, context_size, kwargs
         )
 
     def free(self):
@@ -631,7 +634,7 @@ class Engine:
         """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
         kv_cache, rest = self._prompt_cache.fetch_for_prompt(self._generation, prompt)
         if kv_cache is None:
-            kv_cache = make_kv_cache(self._loaded.model, self.info.options.max_kv_size)
+            kv_cache = make_kv_cache(self._loaded.model, self.info.options)
         self._reused_tokens += len(prompt) - len(rest)
         self._prefilled_tokens += len(rest)
         return kv_cache, tuple(rest)
@@ -751,6 +754,7 @@ class Engine:
         name: str,
         identity: str,
         draft_name: str,
+        adapters: tuple[Adapter, ...],
         options: LoadOptions,
         context_size: int,
         kwargs,
@@ -766,10 +770,15 @@ class Engine:
                 raise InvalidArgument(
                     "DraftModel: speculative decoding does not run distributed"
                 )
+            if lockstep is not None and adapters:
+                raise InvalidArgument(
+                    "LoraAdapters: LoRA adapters are not served distributed"
+                )
             # Resolved and checked beside the running model, which a failure keeps.
             loaded = load_model(
                 name, trust_remote_code=options.trust_remote_code, **kwargs
             )
+            check_adapters(loaded.model, adapters)
             sharding = None
             if lockstep is not None:
                 mode = choose_mode(
@@ -799,7 +808,14 @@ class Engine:
             lockstep.flush()
         try:
             loaded, info, decoder = self._prepare(
-                loaded, identity, options, context_size, generation, draft, sharding
+                loaded,
+                identity,
+                options,
+                context_size,
+                generation,
+                draft,
+                sharding,
+                adapters,
             )
         except Exception:
             self._state = "error"
@@ -822,7 +838,15 @@ class Engine:
         return info
 
     def _prepare(
-        self, loaded, identity, options, context_size, generation, draft, sharding
+        self,
+        loaded,
+        identity,
+        options,
+        context_size,
+        generation,
+        draft,
+        sharding,
+        adapters=(),
     ):
         """The model's weights, its ModelInfo and decoder; over a group, every
         rank's outcome, which all ranks must share."""
@@ -830,7 +854,7 @@ class Engine:
         error = None
         try:
             loaded, info = prepare_model(
-                loaded, identity, options, context_size, generation, sharding
+                loaded, identity, options, context_size, generation, sharding, adapters
             )
             if lockstep is None:
                 decoder = make_decoder(loaded.model, info.options, draft)

@@ -7,16 +7,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from python_utils import LoadOptions
+from quantized_kv import QuantizedKVCache
+
 logger = logging.getLogger(__name__)
 
 
-def unbatchable_reason(model: nn.Module, max_kv_size: int | None) -> str | None:
+def unbatchable_reason(model: nn.Module, options: LoadOptions) -> str | None:
     """Why the model's requests can't share a BatchGenerator, or None when they can."""
-    if max_kv_size is not None:
+    if options.max_kv_size is not None:
         # Batched rotating caches drop the kept prefix (keep=4) of the single path.
         return "max_kv_size makes rotating KV caches"
     kinds = {
-        type(c).__name__ for c in make_prompt_cache(model) if not hasattr(c, "merge")
+        type(c).__name__
+        for c in make_kv_cache(model, options)
+        if not hasattr(c, "merge")
     }
     if kinds:
         return (
@@ -25,17 +30,32 @@ def unbatchable_reason(model: nn.Module, max_kv_size: int | None) -> str | None:
     return None
 
 
-def make_kv_cache(model: nn.Module, max_kv_size: int | None) -> list:
-    """The model's KV cache, plain KV layers made windows of ``max_kv_size`` tokens.
+def make_kv_cache(model: nn.Module, options: LoadOptions) -> list:
+    """The model's KV cache, its plain KV layers quantized (``kv_bits``) or made
+    windows of ``max_kv_size`` tokens.
 
     mlx-lm's ``make_prompt_cache`` ignores ``max_kv_size`` for models with a
     ``make_cache`` of their own, as llama has since it learned sliding windows.
     """
     cache = make_prompt_cache(model)
-    if max_kv_size is None:
+    if options.kv_bits is not None:
+        group_size = options.kv_group_size or 64
+        return [
+            (
+                QuantizedKVCache(group_size=group_size, bits=options.kv_bits)
+                if type(c) is KVCache
+                else c
+            )
+            for c in cache
+        ]
+    if options.max_kv_size is None:
         return cache
     return [
-        RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c
+        (
+            RotatingKVCache(max_size=options.max_kv_size, keep=4)
+            if type(c) is KVCache
+            else c
+        )
         for c in cache
     ]
 

@@ -18,6 +18,7 @@ from cpu_path import ComputePath, prepare_for_cpu
 from detokenizer import TokenBytes, make_token_bytes
 from gguf_loader import load_gguf
 from grammar import GrammarCompiler
+from lora import Adapter, apply_adapters
 from mlx_utils import release_memory
 from python_utils import LoadOptions
 from score_embedding import hidden_state_model
@@ -58,19 +59,16 @@ def default_model_path() -> Path:
     return Path(dist.locate_file(DEFAULT_MODEL_FILE))
 
 
-def _load_path(path: Path, adapter: str | None, trust_remote_code: bool):
+def _load_path(path: Path, trust_remote_code: bool):
     if path.is_dir():
         model, tokenizer, config = load_mlx_folder(
             str(path),
-            adapter_path=adapter,
             lazy=True,
             return_config=True,
             trust_remote_code=trust_remote_code,
         )
         return model, tokenizer, config
     if path.suffix.lower() == ".gguf":
-        if adapter:
-            raise ModelLoadError("LoRA adapters are not supported on GGUF models")
         return load_gguf(path)
     raise ModelLoadError(f"{path} is neither an MLX model folder nor a .gguf file")
 
@@ -79,13 +77,12 @@ def load_model(
     model: str,
     model_file: str = "",
     model_path: str = "",
-    adapter: str | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve and load a model the way LocalAI names it.
 
-    Everything is read and checked (config, weight names and shapes, tokenizer,
-    adapter), but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
+    Everything is read and checked (config, weight names and shapes, tokenizer),
+    but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
     loads them, so a caller can free the previous model first.
 
     Args:
@@ -93,7 +90,6 @@ def load_model(
           Face repo id; empty means the embedded default model.
         model_file: ``ModelOptions.ModelFile``.
         model_path: ``ModelOptions.ModelPath``, LocalAI's models directory.
-        adapter: A LoRA adapter folder.
         trust_remote_code: Allow model code shipped with a checkpoint.
 
     Returns:
@@ -104,7 +100,7 @@ def load_model(
     """
     if not model and not model_file:
         path = default_model_path()
-        result = _load_path(path, adapter, trust_remote_code)
+        result = _load_path(path, trust_remote_code)
         return LoadedModel(*result, source=f"default model {path}")
 
     candidates: list[Path] = []
@@ -122,7 +118,7 @@ def load_model(
             tried.append((str(path), "does not exist"))
             continue
         try:
-            result = _load_path(path, adapter, trust_remote_code)
+            result = _load_path(path, trust_remote_code)
             return LoadedModel(*result, source=str(path))
         except Exception as e:
             logger.exception("loading %s failed", path)
@@ -136,7 +132,7 @@ def load_model(
             tried.append((f"Hugging Face cache for {model}", f"{type(e).__name__}"))
             local, source = model, f"Hugging Face repo {model}"
         try:
-            result = _load_path_or_repo(local, adapter, trust_remote_code)
+            result = _load_path_or_repo(local, trust_remote_code)
             return LoadedModel(*result, source=source)
         except Exception as e:
             logger.exception("loading %s failed", local)
@@ -173,12 +169,11 @@ def load_draft(
     return model
 
 
-def _load_path_or_repo(ref: str, adapter: str | None, trust_remote_code: bool):
+def _load_path_or_repo(ref: str, trust_remote_code: bool):
     if Path(ref).exists():
-        return _load_path(Path(ref), adapter, trust_remote_code)
+        return _load_path(Path(ref), trust_remote_code)
     return load_mlx_folder(
         ref,
-        adapter_path=adapter,
         lazy=True,
         return_config=True,
         trust_remote_code=trust_remote_code,
@@ -211,6 +206,7 @@ def prepare_model(
     context_size: int,
     generation: int,
     sharding: Sharding | None = None,
+    adapters: tuple[Adapter, ...] = (),
 ) -> tuple[LoadedModel, ModelInfo]:
     """Load the weights and build what serving the model needs.
 
@@ -221,6 +217,8 @@ def prepare_model(
         context_size: ``ContextSize``; 0 takes the model's own limit.
         generation: The number of this load, which requests carry.
         sharding: This rank's share of the model, when serving over a group.
+        adapters: LoRA adapters to apply (fused into the weights with the option
+          ``fuse_lora``).
 
     Returns:
         The model to serve (dequantized on a fast-BLAS CPU) and its ``ModelInfo``.
@@ -232,6 +230,12 @@ def prepare_model(
     model, compute_path = prepare_for_cpu(
         loaded.model, options.dequantize, options.dequantize_max_bytes
     )
+    if adapters:
+        # After dequantizing: the adapters then wrap (or fuse into) float32 linears.
+        applied = apply_adapters(model, adapters, options.fuse_lora)
+        compute_path = dataclasses.replace(
+            compute_path, description=f"{compute_path.description}; {applied}"
+        )
     if sharding is not None:
         if not sharding.early:
             layout = sharding.apply(model)

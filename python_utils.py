@@ -32,6 +32,12 @@ class LoadOptions:
     max_batch_size: int = 32
     prefill_batch_size: int = 8
     max_kv_size: int | None = None
+    # Quantized KV caches (quantized_kv.py): bits (None: full precision) and the
+    # group size (None: 64, mlx-lm's default). CacheTypeKey/Value set them too.
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    # LoRA adapters (lora.py) are folded into the weights instead of wrapping them.
+    fuse_lora: bool = False
     # The prompt cache: 0 entries turns it off; bytes default to a share of RAM.
     max_cache_entries: int = 10
     max_cache_bytes: int | None = None
@@ -145,6 +151,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         value = getattr(parsed, name)
         if value is not None:
             check_sampling(f"Options: {name}", name, value)
+    check_kv_quantization(parsed)
     if parsed.speculative not in SPECULATIVE_MODES:
         raise InvalidArgument(
             f"Options: speculative must be one of {', '.join(SPECULATIVE_MODES)}"
@@ -172,6 +179,81 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
             f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"
         )
     return parsed
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+# llama.cpp's cache type names, as LocalAI sends them in CacheTypeKey and
+# CacheTypeValue, as MLX (bits, group size); None keeps full precision.
+CACHE_TYPES = {
+    "f32": None,
+    "f16": None,
+    "bf16": None,
+    "q8_0": (8, 32),
+    "q5_0": (5, 32),
+    "q5_1": (5, 32),
+    "q4_0": (4, 32),
+    "q4_1": (4, 32),
+    "iq4_nl": (4, 32),
+}
+
+
+def check_kv_quantization(options: LoadOptions) -> None:
+    if options.kv_bits is not None and options.kv_bits not in KV_BITS:
+        raise InvalidArgument(
+            f"Options: kv_bits must be one of {', '.join(map(str, KV_BITS))}"
+        )
+    if (
+        options.kv_group_size is not None
+        and options.kv_group_size not in KV_GROUP_SIZES
+    ):
+        raise InvalidArgument(
+            "Options: kv_group_size must be one of "
+            f"{', '.join(map(str, KV_GROUP_SIZES))}"
+        )
+    if options.kv_bits is not None and options.max_kv_size is not None:
+        raise InvalidArgument(
+            "Options: max_kv_size can't be combined with a quantized KV cache "
+            "(kv_bits, CacheTypeKey or CacheTypeValue): rotating caches stay unquantized"
+        )
+
+
+def apply_cache_types(options: LoadOptions, key: str, value: str) -> LoadOptions:
+    """``options`` with the KV quantization that ``CacheTypeKey`` and
+    ``CacheTypeValue`` name, unless the option ``kv_bits`` already sets one.
+
+    MLX quantizes keys and values alike: when the two differ, the finer one
+    serves both.
+    """
+    chosen = []
+    for field, name in (("CacheTypeKey", key), ("CacheTypeValue", value)):
+        name = name.strip().lower()
+        if not name:
+            continue
+        if name not in CACHE_TYPES:
+            raise InvalidArgument(
+                f"{field}: unknown cache type {name!r} "
+                f"(known: {', '.join(CACHE_TYPES)})"
+            )
+        chosen.append((CACHE_TYPES[name], field, name))
+    if not chosen or options.kv_bits is not None:
+        return options
+    # None (full precision) is the finest; then the most bits.
+    finest = max(chosen, key=lambda c: (c[0] is None, c[0] or (0, 0)))
+    if len({c[0] for c in chosen}) > 1:
+        logger.warning(
+            "%s and %s differ; MLX quantizes keys and values alike, so both use %s",
+            *(f"{field}={name}" for _, field, name in chosen),
+            finest[2],
+        )
+    if finest[0] is None:
+        return options
+    bits, group_size = finest[0]
+    updated = dataclasses.replace(
+        options, kv_bits=bits, kv_group_size=options.kv_group_size or group_size
+    )
+    check_kv_quantization(updated)
+    return updated
 
 
 # The accepted range of each sampling value. A value outside it is refused, never

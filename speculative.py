@@ -34,6 +34,7 @@ from decoders import (
 )
 from mlx_utils import gather_logprobs, make_kv_cache
 from python_utils import LoadOptions
+from quantized_kv import QuantizedKVCache
 from sampling import SeededSampler
 
 logger = logging.getLogger(__name__)
@@ -473,7 +474,10 @@ def make_decoder(
     prompt lookup, unless that is off or the KV caches only rotate."""
     inner = make_plain_decoder(model, options)
     # Rotating (sliding-window) caches cannot always be trimmed back.
-    growing = all(type(c) is KVCache for c in make_kv_cache(model, options.max_kv_size))
+    growing = all(
+        isinstance(c, (KVCache, QuantizedKVCache))
+        for c in make_kv_cache(model, options)
+    )
     if options.speculative == "off" or options.num_draft_tokens == 0 or not growing:
         logger.info("speculative decoding is off")
         return inner

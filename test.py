@@ -588,24 +588,44 @@ def mlx_folder(tmp_path_factory) -> Path:
     return export_mlx_folder(default_model_path(), tmp_path_factory.mktemp("mlx"))
 
 
+STILL_SERVING = "still serving default model"
+
+
 @pytest.mark.parametrize(
-    "options",
+    "options, expected",
     [
-        {"Model": "/nonexistent/model"},
-        {"Model": "/etc/passwd"},
-        {"Model": "shadow", "ModelFile": "/etc/shadow"},
-        {"Model": "default", "LoraAdapter": "/nonexistent/adapter"},
-        {"Model": "MLX_FOLDER", "LoraAdapter": "/nonexistent/adapter"},
-        {"Model": "default", "Options": ["temperature:nan"]},
+        ({"Model": "/nonexistent/model"}, STILL_SERVING),
+        ({"Model": "/etc/passwd"}, STILL_SERVING),
+        ({"Model": "shadow", "ModelFile": "/etc/shadow"}, STILL_SERVING),
+        ({"Model": "default", "LoraAdapter": "/nonexistent/adapter"}, "no such folder"),
+        (
+            {"Model": "MLX_FOLDER", "LoraAdapter": "/nonexistent/adapter"},
+            "no such folder",
+        ),
+        (
+            {"Model": "default", "LoraAdapters": ["/nonexistent/b"], "LoraScales": [2]},
+            "adapter /nonexistent/b: no such folder",
+        ),
+        # Refused before the engine sees them.
+        ({"Model": "default", "Options": ["temperature:nan"]}, "temperature"),
+        (
+            {"Model": "default", "LoraAdapters": ["a"], "LoraScales": [1, 2]},
+            "LoraScales: 2 scales for 1 LoraAdapters",
+        ),
+        (
+            {"Model": "default", "CacheTypeKey": "q8_0", "CacheTypeValue": "q3_k"},
+            "CacheTypeValue: unknown cache type 'q3_k'",
+        ),
     ],
 )
-def test_a_failed_load_keeps_the_model_serving(server, mlx_folder, options):
+def test_a_failed_load_keeps_the_model_serving(server, mlx_folder, options, expected):
     if options["Model"] == "MLX_FOLDER":
         options = {**options, "Model": str(mlx_folder)}
     result = server.stub.LoadModel(pb.ModelOptions(**options))
     assert not result.success
-    if "Options" not in options:  # options are refused before the engine sees them
-        assert "still serving default model" in result.message, result.message
+    assert expected in result.message, result.message
+    if expected in (STILL_SERVING, "no such folder"):
+        assert STILL_SERVING in result.message, result.message
     assert server.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.READY
     reply = server.stub.Predict(chat(Tokens=40, ModelIdentity="default"))
     assert reply.message.decode() == ANSWER

@@ -57,14 +57,16 @@ def test_greedy_answer(engine):
     assert all(isinstance(e, Output) for e in events[:-1])
 
 
-def drive(decoder, model, prompts, max_tokens: int, logprobs: int | None) -> dict:
+def drive(
+    decoder, model, options, prompts, max_tokens: int, logprobs: int | None
+) -> dict:
     """Each prompt's greedy tokens, logprob entries and final KV state."""
     keys = [
         decoder.add(
             NewSequence(
                 prompt=prompt,
                 rest=prompt,
-                kv_cache=make_kv_cache(model, None),
+                kv_cache=make_kv_cache(model, options),
                 sampler=greedy_sampler,
                 processors=[],
                 max_tokens=max_tokens,
@@ -91,8 +93,12 @@ def drive(decoder, model, prompts, max_tokens: int, logprobs: int | None) -> dic
 def test_batched_and_single_decoders_agree(engine):
     def both(model, options):
         prompts = [chat_prompt(engine, q) for q in QUESTIONS]
-        batched = drive(BatchDecoder(model, options, True), model, prompts, 12, 2)
-        single = drive(SingleDecoder(model, options, True), model, prompts, 12, 2)
+        batched = drive(
+            BatchDecoder(model, options, True), model, options, prompts, 12, 2
+        )
+        single = drive(
+            SingleDecoder(model, options, True), model, options, prompts, 12, 2
+        )
         return prompts, batched, single
 
     prompts, batched, single = on_engine_thread(engine, both)

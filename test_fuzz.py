@@ -559,7 +559,7 @@ bad_loads = st.one_of(
             st.lists(option_texts, max_size=2), st.sampled_from(BAD_OPTIONS)
         ).map(lambda opts: [*opts[0], opts[1]]),
     ),
-    # The default model (GGUF) with an adapter, which GGUF models refuse.
+    # The default model with an adapter folder that is not one.
     st.builds(
         pb.ModelOptions,
         Model=st.sampled_from(["", "default"]),

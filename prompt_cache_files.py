@@ -1,0 +1,290 @@
+"""KV states on disk: the request field PromptCachePath and the load option
+prompt_cache_dir, written with mlx-lm's save_prompt_cache and checked on the way back.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_unflatten
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+    save_prompt_cache,
+)
+
+from errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "1"
+SUFFIX = ".safetensors"
+
+
+class PromptFileError(Exception):
+    """Why a prompt cache file can't be used; load_state logs it and returns None."""
+
+
+def make_fingerprint(
+    model_source: str, tokenizer_vocab: dict[str, int], kv_layout: str
+) -> str:
+    """The identity a KV state is only valid for.
+
+    Args:
+        model_source: the model's path or repository, and revision if known.
+        tokenizer_vocab: the tokenizer's vocabulary, token to id.
+        kv_layout: how the KV cache is laid out, e.g. ``"kv_bits=8,group=32"``.
+
+    Returns:
+        A sha256 hex digest.
+    """
+    digest = hashlib.sha256()
+    for part in (model_source, sorted(tokenizer_vocab.items()), kv_layout):
+        digest.update(json.dumps(part).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def confine(path: str, roots: Sequence[Path], field: str = "PromptCachePath") -> Path:
+    """The absolute path for ``path``, which must lie inside one of ``roots``.
+
+    Args:
+        path: the path as the request gave it; a relative one is taken under roots[0].
+        roots: the folders files may be read from and written to.
+        field: the request field or option that named ``path``, for the error.
+
+    Returns:
+        The path with symlinks and '..' resolved.
+
+    Raises:
+        InvalidArgument: ``roots`` is empty, or the path lies outside them.
+    """
+    if not roots:
+        raise InvalidArgument(f"{field} needs ModelPath or the option prompt_cache_dir")
+    allowed = [Path(root).resolve() for root in roots]
+    if not path:
+        raise InvalidArgument(f"{field} is empty")
+    resolved = (allowed[0] / path).resolve()  # an absolute path replaces allowed[0]
+    # A root itself is a folder, not a file inside it.
+    if not any(resolved != root and resolved.is_relative_to(root) for root in allowed):
+        raise InvalidArgument(
+            f"{field} {path!r} is not inside the allowed folders "
+            f"({', '.join(str(root) for root in allowed)})"
+        )
+    return resolved
+
+
+def _as_mlx_lm(layer):
+    """``layer`` as its nearest mlx-lm cache class: load_prompt_cache finds classes by
+    name in mlx_lm.models.cache, so a subclass of ours would not load."""
+    base = next(
+        (k for k in type(layer).__mro__ if k.__module__ == mlx_cache.__name__), None
+    )
+    if base is None or not issubclass(base, _BaseCache):
+        raise ValueError(f"{type(layer).__name__} is not an mlx-lm KV cache layer")
+    if base is CacheList:
+        return CacheList(*(_as_mlx_lm(c) for c in layer.caches))
+    state = layer.state
+    if base in (KVCache, QuantizedKVCache) and layer.keys is not None:
+        # Their buffers grow 256 rows at a time; only the first `offset` hold tokens.
+        state = (*base.keys_and_values(layer), *state[2:])
+    return base.from_state(state)
+
+
+def _offset_mismatch(cache: list, count: int) -> str | None:
+    for i, layer in enumerate(cache):
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int) and offset != count:
+            return f"layer {i} holds {offset} tokens but {count} tokens are listed"
+    return None
+
+
+def save_state(
+    path: Path, cache: list, tokens: Sequence[int], fingerprint: str
+) -> None:
+    """Write a KV state to ``path`` atomically: a reader sees the old file or the new.
+
+    Args:
+        path: the file to write, confined by the caller; its folder is created.
+        cache: the per-layer KV cache objects (mlx-lm classes or subclasses of them).
+        tokens: the tokens the cache holds.
+        fingerprint: make_fingerprint's value for the model that made ``cache``.
+
+    Raises:
+        ValueError: a layer's offset disagrees with ``len(tokens)``, or a layer is
+            not an mlx-lm cache.
+        OSError: the file could not be written; the previous one is left as it was.
+    """
+    tokens = [int(t) for t in tokens]
+    if why := _offset_mismatch(cache, len(tokens)):
+        raise ValueError(f"Not saving {path}: {why}")
+    layers = [_as_mlx_lm(layer) for layer in cache]
+    metadata = {
+        "fingerprint": fingerprint,
+        "tokens": json.dumps(tokens),
+        "format": FORMAT,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The dot hides the temp from directory scans; the suffix stops
+    # mx.save_safetensors from appending one, so it writes exactly `tmp`.
+    fd, tmp = tempfile.mkstemp(prefix=".prompt-cache-", suffix=SUFFIX, dir=path.parent)
+    try:
+        os.close(fd)
+        save_prompt_cache(tmp, layers, metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # So the rename itself survives a power loss.
+    with suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _cache_class(name: str) -> type:
+    cls = getattr(mlx_cache, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, _BaseCache)):
+        raise PromptFileError(f"unknown KV cache class {name!r}")
+    return cls
+
+
+def _read(path: Path, fingerprint: str, layers: int) -> tuple[list, list[int]]:
+    # load_prompt_cache would infer the format from the suffix, which a
+    # PromptCachePath need not have; this is its decoding with the format given.
+    arrays, flat = mx.load(str(path), format="safetensors", return_metadata=True)
+    metadata, classes, scalars = tree_unflatten(list(flat.items()))
+    if metadata.get("format") != FORMAT:
+        raise PromptFileError(f"not a prompt cache file of format {FORMAT}")
+    if metadata.get("fingerprint") != fingerprint:
+        raise PromptFileError("written for another model, tokenizer or KV cache layout")
+    if len(classes) != layers:
+        raise PromptFileError(f"{len(classes)} layers where the model has {layers}")
+    tokens = json.loads(metadata["tokens"])
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise PromptFileError("its token list is malformed")
+    # Read the data now, so a bad file fails here and not in the middle of a request.
+    mx.eval(list(arrays.values()))
+    for pos, kind in scalars[1:]:
+        if kind == "scalar":
+            arrays[pos] = arrays[pos].item()
+        elif kind == "string":
+            arrays[pos] = "".join(chr(i) for i in arrays[pos].tolist())
+        elif kind == "none":
+            arrays[pos] = None
+        else:
+            raise PromptFileError(f"unknown scalar type {kind!r}")
+    states = tree_unflatten(list(arrays.items()))
+    if len(states) != layers:
+        raise PromptFileError(
+            f"{len(states)} layer states where the model has {layers}"
+        )
+    cache = [_cache_class(c).from_state(s) for c, s in zip(classes, states)]
+    if why := _offset_mismatch(cache, len(tokens)):
+        raise PromptFileError(why)
+    return cache, tokens
+
+
+def load_state(
+    path: Path, fingerprint: str, layers: int
+) -> tuple[list, list[int]] | None:
+    """The KV state saved in ``path``, or None if there is none fit to use.
+
+    A missing file is None quietly; a truncated or corrupt one, one written for
+    another fingerprint, or one whose layers or tokens don't fit is None with a
+    warning naming the file and why.
+
+    Args:
+        path: the file save_state wrote.
+        fingerprint: make_fingerprint's value for the model now loaded.
+        layers: how many cache layers the model has.
+
+    Returns:
+        ``(cache, tokens)`` with mlx-lm cache classes, or None.
+    """
+    if not path.exists():
+        return None
+    try:
+        return _read(path, fingerprint, layers)
+    except PromptFileError as e:
+        why = str(e)
+    except Exception as e:  # mx.load and from_state raise all kinds on a bad file
+        why = f"unreadable ({type(e).__name__}: {e})"
+    logger.warning("Ignoring the prompt cache file %s: %s", path, why)
+    return None
+
+
+class PromptCacheDir:
+    """A folder holding prompt-cache entries, one file per entry, for the load option
+    prompt_cache_dir."""
+
+    def __init__(self, folder: Path, fingerprint: str, layers: int):
+        """
+        Args:
+            folder: where the entries live; created on the first write.
+            fingerprint: make_fingerprint's value for the model now loaded.
+            layers: how many cache layers the model has.
+        """
+        self.folder = folder
+        self.fingerprint = fingerprint
+        self.layers = layers
+
+    def _path(self, tokens: Sequence[int]) -> Path:
+        key = json.dumps([self.fingerprint, [int(t) for t in tokens]]).encode()
+        return self.folder / (hashlib.sha256(key).hexdigest()[:32] + SUFFIX)
+
+    def entries(self) -> list[tuple[list, list[int]]]:
+        """The valid entries as ``(cache, tokens)``, oldest first.
+
+        Files that don't load are skipped with a warning and left in place: another
+        model's entries may share the folder.
+        """
+        stamped = []
+        for path in self.folder.glob("*" + SUFFIX):  # none if there is no folder yet
+            if not path.name.startswith("."):  # skip save_state's temp files
+                with suppress(OSError):  # removed since the scan
+                    stamped.append((path.stat().st_mtime_ns, path))
+        stamped.sort()
+        found = []
+        for _, path in stamped:
+            entry = load_state(path, self.fingerprint, self.layers)
+            if entry is None:
+                continue
+            if self._path(entry[1]) != path:
+                # remove() could never find it; a renamed copy, most likely.
+                logger.warning("Ignoring the prompt cache file %s: misnamed", path)
+                continue
+            found.append(entry)
+        return found
+
+    def write(self, tokens: Sequence[int], cache: list) -> None:
+        """Save one entry, replacing any earlier one for the same tokens.
+
+        Args:
+            tokens: the tokens ``cache`` holds.
+            cache: the per-layer KV cache objects.
+        """
+        save_state(self._path(tokens), cache, tokens, self.fingerprint)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Delete the entry for ``tokens`` if there is one.
+
+        Args:
+            tokens: the tokens the entry was written with.
+        """
+        with suppress(FileNotFoundError):
+            self._path(tokens).unlink()

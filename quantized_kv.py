@@ -1,0 +1,188 @@
+"""Quantized KV caches that batch.
+
+mlx-lm's ``QuantizedKVCache`` serves one sequence: it lacks what ``BatchGenerator``
+calls to merge sequences into a batch and take them out again. Here the single
+cache gains ``merge``, and ``BatchQuantizedKVCache`` stores keys and values as
+MLX's affine quantization triples (packed values, scales, biases) with
+``BatchKVCache``'s left-padding bookkeeping, so its masks and trims are inherited.
+mlx-lm's attention takes the quantized kernel for any cache with ``bits``.
+"""
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+
+_Triple = tuple[mx.array, mx.array, mx.array]
+
+
+class QuantizedKVCache(mlx_cache.QuantizedKVCache):
+    """mlx-lm's quantized KV cache for one sequence, which merges into a batch."""
+
+    def size(self) -> int:
+        return self.offset
+
+    @classmethod
+    def merge(cls, caches: list) -> "BatchQuantizedKVCache":
+        return BatchQuantizedKVCache.merge(caches)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else super().nbytes
+
+
+def _quantized_nbytes(*parts: _Triple | None) -> int:
+    return sum(x.nbytes for part in parts if part is not None for x in part)
+
+
+class BatchQuantizedKVCache(BatchKVCache):
+    """Left-padded quantized keys and values of a batch of sequences."""
+
+    def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
+        super().__init__(left_padding)
+        self.group_size = group_size
+        self.bits = bits
+
+    def _quantize(self, x: mx.array) -> _Triple:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def update_and_fetch(self, keys, values):
+        prev, n = self._idx, keys.shape[2]
+        keys, values = self._quantize(keys), self._quantize(values)
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            # Grow by whole steps, as the unquantized caches do.
+            steps = (self.step + n - 1) // self.step * self.step
+
+            def grow(stored: _Triple | None, new: _Triple) -> _Triple:
+                zeros = [
+                    mx.zeros((*x.shape[:2], steps, x.shape[3]), x.dtype) for x in new
+                ]
+                if stored is None:
+                    return tuple(zeros)
+                return tuple(
+                    mx.concatenate([s[..., :prev, :], z], axis=2)
+                    for s, z in zip(stored, zeros)
+                )
+
+            self.keys, self.values = grow(self.keys, keys), grow(self.values, values)
+        self.offset = self.offset + n
+        self._idx += n
+        for stored, new in zip((*self.keys, *self.values), (*keys, *values)):
+            stored[..., prev : self._idx, :] = new
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return tuple(
+            tuple(x[..., : self._idx, :] for x in part)
+            for part in (self.keys, self.values)
+        )
+
+    def finalize(self):
+        if self._right_padding is None:
+            return
+        padding = self._right_padding
+        self.keys, self.values = (
+            tuple(dynamic_roll(x, padding[:, None], axis=2) for x in part)
+            for part in (self.keys, self.values)
+        )
+        self.offset = self.offset - padding
+        self.left_padding += padding
+        self._right_padding = None
+
+    def filter(self, batch_indices):
+        if self.keys is not None:
+            self.keys, self.values = (
+                tuple(x[batch_indices] for x in part)
+                for part in (self.keys, self.values)
+            )
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        # Drop the padding every remaining row has.
+        shift = min(self.left_padding.tolist())
+        if shift > 0:
+            if self.keys is not None:
+                self.keys, self.values = (
+                    tuple(x[..., shift:, :] for x in part)
+                    for part in (self.keys, self.values)
+                )
+            self._idx -= shift
+            self.left_padding -= shift
+
+    def extend(self, other: "BatchQuantizedKVCache"):
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        max_idx = max(self._idx, other._idx)
+        filled = [c for c in (self, other) if c.keys is not None]
+        max_size = max(c.keys[0].shape[2] for c in filled)
+        template = filled[0]
+
+        # Right-justify both at max_idx, with the same length.
+        def pad(c: "BatchQuantizedKVCache"):
+            rows = c.offset.shape[0]
+            parts = []
+            for name in ("keys", "values"):
+                stored = getattr(c, name) or tuple(
+                    mx.zeros((rows, x.shape[1], 0, x.shape[3]), x.dtype)
+                    for x in getattr(template, name)
+                )
+                left = max_idx - c._idx
+                right = max_size - stored[0].shape[2] - left
+                if right < 0:
+                    stored = tuple(x[..., :right, :] for x in stored)
+                    right = 0
+                if left or right:
+                    widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+                    stored = tuple(mx.pad(x, widths) for x in stored)
+                parts.append(stored)
+            return parts, c.offset, c.left_padding + (max_idx - c._idx)
+
+        (ours, offset, padding), (theirs, other_offset, other_padding) = map(
+            pad, (self, other)
+        )
+        self.keys, self.values = (
+            tuple(mx.concatenate([a, b]) for a, b in zip(mine, its))
+            for mine, its in zip(ours, theirs)
+        )
+        self.offset = mx.concatenate([offset, other_offset])
+        self.left_padding = mx.concatenate([padding, other_padding])
+        self._idx = max_idx
+
+    def extract(self, idx: int) -> QuantizedKVCache:
+        cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        padding = self.left_padding.tolist()[idx]
+        cache.keys, cache.values = (
+            tuple(mx.contiguous(x[idx : idx + 1, :, padding : self._idx]) for x in part)
+            for part in (self.keys, self.values)
+        )
+        cache.offset = self._idx - padding
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list) -> "BatchQuantizedKVCache":
+        group_size, bits = caches[0].group_size, caches[0].bits
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        batch = cls(padding, group_size=group_size, bits=bits)
+        if longest == 0:
+            return batch
+        template = next(c for c in caches if c.keys is not None)
+        for name in ("keys", "values"):
+            merged = tuple(
+                mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype)
+                for x in getattr(template, name)
+            )
+            for row, (p, c) in enumerate(zip(padding, caches)):
+                if c.offset == 0:
+                    continue
+                for whole, x in zip(merged, getattr(c, name)):
+                    whole[row : row + 1, :, p:] = x[..., : c.offset, :]
+            setattr(batch, name, merged)
+        batch.offset += longest
+        batch._idx = longest
+        return batch
+
+    @property
+    def nbytes(self) -> int:
+        return _quantized_nbytes(self.keys, self.values)
