@@ -9,6 +9,7 @@ Score or Embedding job, and publishes its state.
 """
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -62,7 +64,9 @@ from model_loading import (
     load_model,
     prepare_model,
 )
+from prompt_cache_files import PromptFiles, make_fingerprint
 from python_utils import LoadOptions
+from quantized_kv import adopt
 from reply_pipeline import Finished, Output, ReplyPipeline
 from request_parsing import GenerationRequest
 from sampling import make_request_processors, make_request_sampler
@@ -241,6 +245,10 @@ class Engine:
         self.stats = EngineStats("uninitialized", 0, {})
         self.last_metrics = RequestMetrics()
         self._prompt_cache = ThreadSafeLRUPromptCache(max_size=0)
+        # PromptCachePath files and prompt_cache_dir; whether the prompt cache
+        # changed since the folder was last written.
+        self._files: PromptFiles | None = None
+        self._cache_changed = False
         # Prompt tokens served from the prompt cache, and those prefilled.
         self._reused_tokens = 0
         self._prefilled_tokens = 0
@@ -327,6 +335,7 @@ class Engine:
         self._closed = True
         try:
             self._abort_all("the backend is shutting down", keep_decoder=False)
+            self._sync_files()
             if self._lockstep is not None and self._lockstep.broken is None:
                 self._lockstep.flush(Exit(), wait=True)
         finally:
@@ -356,6 +365,7 @@ class Engine:
             busy = self._busy()
             if not busy:
                 self._outbox.flush()  # before waiting for work
+                self._sync_files()
             idle_wait = None if self._lockstep is None else HEARTBEAT_SECONDS
             try:
                 message = self._inbox.get(block=not busy, timeout=idle_wait)
@@ -561,6 +571,8 @@ class Engine:
         reply = ReplyPipeline(
             request, info.tokenizer, info.markers, info.token_bytes, grammar
         )
+        if request.prompt_file is not None:
+            self._restore(request.prompt_file.path, request.prompt)
         kv_cache, rest = self._fetch_cache(request.prompt)
         prompt = request.prompt
         snapshots = []
@@ -611,6 +623,10 @@ class Engine:
             self._waiting[:0] = self._pending.pop(prefix, [])
         if state is not None:
             self._save_cache(seq.request.model_generation, state.cache, state.tokens)
+            file = seq.request.prompt_file
+            if file is not None and not file.read_only:
+                tokens = state.tokens if file.everything else seq.request.prompt
+                self._files.write(file.path, state.cache, tokens)
         final = seq.reply.finished
         if final is not None:
             self.last_metrics = RequestMetrics(
@@ -644,6 +660,29 @@ class Engine:
     ) -> None:
         """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
         self._prompt_cache.insert_state(generation, tokens, kv_cache, holders)
+        self._cache_changed = True
+
+    def _restore(self, path: Path, prompt: tuple[int, ...]) -> None:
+        """A PromptCachePath file's KV state joins the prompt cache when it serves
+        more of ``prompt`` than the cache does."""
+        if self._lockstep is not None:
+            raise FailedPrecondition(
+                "PromptCachePath: prompt cache files are not used over a "
+                "distributed group"
+            )
+        cached = self._prompt_cache.cached_length(self._generation, prompt)
+        state = self._files.read(path, prompt, cached)
+        if state is not None:
+            cache, tokens = state
+            self._save_cache(self._generation, adopt(cache), tokens)
+            logger.info("restored %d tokens' KV state from %s", len(tokens), path)
+
+    def _sync_files(self) -> None:
+        """While idle, prompt_cache_dir comes to hold the prompt cache's entries."""
+        if self._files is None or not self._cache_changed:
+            return
+        self._cache_changed = False
+        self._files.sync_folder(self._prompt_cache.entries(self._generation))
 
     # -- embeddings, scores and control work --------------------------------
 
@@ -739,6 +778,8 @@ class Engine:
 
     def _unload(self) -> None:
         self._abort_all("the model was unloaded", keep_decoder=False)
+        self._sync_files()
+        self._files = None
         if self._lockstep is not None and self._lockstep.broken is None:
             self._lockstep.record(Unload())
         self._prompt_cache.clear()
@@ -773,6 +814,10 @@ class Engine:
             if lockstep is not None and adapters:
                 raise InvalidArgument(
                     "LoraAdapters: LoRA adapters are not served distributed"
+                )
+            if lockstep is not None and options.prompt_cache_dir:
+                raise InvalidArgument(
+                    "Options: prompt_cache_dir is not used over a distributed group"
                 )
             # Resolved and checked beside the running model, which a failure keeps.
             loaded = load_model(
@@ -820,6 +865,7 @@ class Engine:
         except Exception:
             self._state = "error"
             raise
+        info = self._open_files(loaded, info, adapters, kwargs.get("model_path", ""))
         self._loaded, self.info, self._decoder = loaded, info, decoder
         self._generation = info.generation
         self._prompt_cache = make_group_prompt_cache(
@@ -830,12 +876,42 @@ class Engine:
             can_trim_prompt_cache,
             trim_prompt_cache,
         )
+        for cache, tokens in self._files.load_folder():
+            self._save_cache(self._generation, adopt(cache), tokens)
+        self._cache_changed = False
         self._state = "ready"
         # The loaded model's objects live until the next load: keep the garbage
         # collector from scanning them while tokens stream.
         gc.collect()
         gc.freeze()
         return info
+
+    def _open_files(
+        self,
+        loaded: LoadedModel,
+        info: ModelInfo,
+        adapters: tuple[Adapter, ...],
+        model_path: str,
+    ) -> ModelInfo:
+        """The loaded model's prompt cache files: a KV state on disk serves only
+        the model, tokenizer, KV layout and adapters that made it."""
+        options = info.options
+        layout = (
+            f"kv_bits={options.kv_bits},kv_group_size={options.kv_group_size},"
+            f"max_kv_size={options.max_kv_size},fuse_lora={options.fuse_lora},"
+            f"adapters={[(str(a.path), a.scale) for a in adapters]}"
+        )
+        fingerprint = make_fingerprint(info.source, info.tokenizer.vocab, layout)
+        layers = len(make_kv_cache(loaded.model, options))
+        folder = None
+        if options.prompt_cache_dir:
+            # Each model's entries in a folder of their own.
+            folder = Path(options.prompt_cache_dir) / fingerprint[:16]
+        self._files = PromptFiles(fingerprint, layers, folder)
+        roots = (model_path, options.prompt_cache_dir)
+        return dataclasses.replace(
+            info, prompt_file_roots=tuple(Path(r).resolve() for r in roots if r)
+        )
 
     def _prepare(
         self,

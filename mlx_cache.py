@@ -199,6 +199,16 @@ class ThreadSafeLRUPromptCache:
                     return found.common_prefix
             return shorter
 
+    def entries(self, model_key: Hashable) -> list[tuple[tuple[int, ...], list]]:
+        """The tokens and KV cache of each of ``model_key``'s entries, least
+        recently used first; the caches are the entries' own, not copies."""
+        with self._lock:
+            return [
+                (tokens, entry.prompt_cache)
+                for (key, tokens), entry in self._lru.items()
+                if key == model_key
+            ]
+
     def clear(self) -> None:
         with self._lock:
             self._trie = PromptTrie()

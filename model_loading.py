@@ -197,6 +197,8 @@ class ModelInfo:
     # Whether the model's final hidden states can be read (for Embedding).
     embeddings: bool = False
     grammars: GrammarCompiler | None = None
+    # Where PromptCachePath files may be: ModelPath and the option prompt_cache_dir.
+    prompt_file_roots: tuple[Path, ...] = ()
 
 
 def prepare_model(

@@ -2,6 +2,7 @@
 prompt_cache_dir, written with mlx-lm's save_prompt_cache and checked on the way back.
 """
 
+import copy
 import hashlib
 import json
 import logging
@@ -19,7 +20,9 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     _BaseCache,
+    can_trim_prompt_cache,
     save_prompt_cache,
+    trim_prompt_cache,
 )
 
 from errors import InvalidArgument
@@ -288,3 +291,120 @@ class PromptCacheDir:
         """
         with suppress(FileNotFoundError):
             self._path(tokens).unlink()
+
+
+def _fit(cache: list, tokens: Sequence[int]) -> tuple[list, list[int]] | None:
+    """``cache`` cut to the tokens both it and ``tokens`` hold, without copying
+    arrays (a trim only moves a shallow copy's offset); None when it can't be."""
+    offset = getattr(cache[0], "offset", None)
+    if not isinstance(offset, int):
+        return None
+    n = min(offset, len(tokens))
+    if n < 2:
+        return None
+    layers = [copy.copy(layer) for layer in cache]
+    if offset > n:
+        if not can_trim_prompt_cache(layers):
+            return None
+        trim_prompt_cache(layers, offset - n)
+    return layers, [int(t) for t in tokens[:n]]
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class PromptFiles:
+    """The engine's prompt cache files: ``PromptCachePath`` files, read when they
+    would serve more of a prompt than memory does and written when their state
+    changes, and the ``prompt_cache_dir`` entries. Engine thread only.
+
+    Args:
+        fingerprint: make_fingerprint's value for the model now loaded.
+        layers: how many cache layers the model has.
+        folder: prompt_cache_dir's folder for this fingerprint, or None.
+    """
+
+    def __init__(self, fingerprint: str, layers: int, folder: Path | None = None):
+        self.fingerprint = fingerprint
+        self.layers = layers
+        self.folder = None if folder is None else PromptCacheDir(folder, *self._key)
+        # What each file held when this process last read or wrote it.
+        self._known: dict[Path, tuple[int, tuple[int, ...]]] = {}
+        self._written: set[tuple[int, ...]] = set()
+
+    @property
+    def _key(self) -> tuple[str, int]:
+        return self.fingerprint, self.layers
+
+    def _stamp(self, path: Path) -> int | None:
+        with suppress(OSError):
+            return path.stat().st_mtime_ns
+        return None
+
+    def read(
+        self, path: Path, prompt: Sequence[int], cached: int
+    ) -> tuple[list, list[int]] | None:
+        """The KV state in ``path`` when it serves more of ``prompt`` than the
+        ``cached`` tokens memory serves; a bad file is None with a warning."""
+        stamp = self._stamp(path)
+        known = self._known.get(path)
+        if stamp is None:
+            return None
+        if known and known[0] == stamp and _common_length(known[1], prompt) <= cached:
+            return None
+        state = load_state(path, *self._key)
+        if state is None:
+            self._known.pop(path, None)
+            return None
+        self._known[path] = (stamp, tuple(state[1]))
+        if _common_length(state[1], prompt) <= cached:
+            return None
+        return state
+
+    def write(self, path: Path, cache: list, tokens: Sequence[int]) -> None:
+        """Save the state of ``tokens`` to ``path`` unless it holds it already;
+        a failure is logged, since the request it served has ended."""
+        fitted = _fit(cache, tokens)
+        if fitted is None:
+            logger.info("not saving %s: the KV state can't be cut to its tokens", path)
+            return
+        layers, tokens = fitted
+        known = self._known.get(path)
+        if known and known[1] == tuple(tokens) and known[0] == self._stamp(path):
+            return
+        try:
+            save_state(path, layers, tokens, self.fingerprint)
+        except (OSError, ValueError) as e:
+            logger.warning("could not save the prompt cache file %s: %s", path, e)
+            return
+        self._known[path] = (self._stamp(path), tuple(tokens))
+
+    def load_folder(self) -> list[tuple[list, list[int]]]:
+        """prompt_cache_dir's entries, oldest first."""
+        if self.folder is None:
+            return []
+        entries = self.folder.entries()
+        self._written = {tuple(tokens) for _, tokens in entries}
+        return entries
+
+    def sync_folder(self, entries: list[tuple[tuple[int, ...], list]]) -> None:
+        """Make prompt_cache_dir hold the prompt cache's ``entries``."""
+        if self.folder is None:
+            return
+        current = dict(entries)
+        for tokens in self._written - current.keys():
+            with suppress(OSError):
+                self.folder.remove(tokens)
+            self._written.discard(tokens)
+        for tokens, cache in current.items():
+            fitted = None if tokens in self._written else _fit(cache, tokens)
+            if fitted is None:
+                continue
+            try:
+                self.folder.write(fitted[1], fitted[0])
+            except (OSError, ValueError) as e:
+                logger.warning("could not save a prompt cache entry: %s", e)
+                continue
+            self._written.add(tuple(fitted[1]))

@@ -38,6 +38,9 @@ class LoadOptions:
     kv_group_size: int | None = None
     # LoRA adapters (lora.py) are folded into the weights instead of wrapping them.
     fuse_lora: bool = False
+    # A folder that keeps the prompt cache's entries across restarts, and may hold
+    # PromptCachePath files (prompt_cache_files.py).
+    prompt_cache_dir: str = ""
     # The prompt cache: 0 entries turns it off; bytes default to a share of RAM.
     max_cache_entries: int = 10
     max_cache_bytes: int | None = None
@@ -88,7 +91,7 @@ def parse_bool(text: str) -> bool:
 
 
 # String options that are paths, whose case matters.
-_CASE_SENSITIVE = {"hostfile"}
+_CASE_SENSITIVE = {"hostfile", "prompt_cache_dir"}
 _OPTION_ALIASES = {"temp": "temperature", "penalty": "repetition_penalty"}
 
 

@@ -15,8 +15,40 @@ from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 _Triple = tuple[mx.array, mx.array, mx.array]
 
 
+def _quantize(x: mx.array, group_size: int, bits: int) -> _Triple:
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def _with_room(stored: _Triple | None, new: _Triple, prev: int, step: int) -> _Triple:
+    """``stored``, or when ``new`` does not fit after ``prev`` positions, its first
+    ``prev`` positions grown by whole steps, as the unquantized caches grow."""
+    n = new[0].shape[2]
+    if stored is not None and prev + n <= stored[0].shape[2]:
+        return stored
+    steps = (step + n - 1) // step * step
+    zeros = [mx.zeros((*x.shape[:2], steps, x.shape[3]), x.dtype) for x in new]
+    if stored is None:
+        return tuple(zeros)
+    return tuple(
+        mx.concatenate([s[..., :prev, :], z], axis=2) for s, z in zip(stored, zeros)
+    )
+
+
 class QuantizedKVCache(mlx_cache.QuantizedKVCache):
     """mlx-lm's quantized KV cache for one sequence, which merges into a batch."""
+
+    def update_and_fetch(self, keys, values):
+        # mlx-lm sizes its buffers as dims // (32 // bits) words, too many when
+        # bits does not divide 32 (5 or 6 bits at 128 dims); these take quantize's.
+        prev = self.offset
+        keys = _quantize(keys, self.group_size, self.bits)
+        values = _quantize(values, self.group_size, self.bits)
+        self.keys = _with_room(self.keys, keys, prev, self.step)
+        self.values = _with_room(self.values, values, prev, self.step)
+        self.offset += keys[0].shape[2]
+        for stored, new in zip((*self.keys, *self.values), (*keys, *values)):
+            stored[..., prev : self.offset, :] = new
+        return self.keys_and_values()
 
     def size(self) -> int:
         return self.offset
@@ -42,28 +74,13 @@ class BatchQuantizedKVCache(BatchKVCache):
         self.group_size = group_size
         self.bits = bits
 
-    def _quantize(self, x: mx.array) -> _Triple:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
-
     def update_and_fetch(self, keys, values):
-        prev, n = self._idx, keys.shape[2]
-        keys, values = self._quantize(keys), self._quantize(values)
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            # Grow by whole steps, as the unquantized caches do.
-            steps = (self.step + n - 1) // self.step * self.step
-
-            def grow(stored: _Triple | None, new: _Triple) -> _Triple:
-                zeros = [
-                    mx.zeros((*x.shape[:2], steps, x.shape[3]), x.dtype) for x in new
-                ]
-                if stored is None:
-                    return tuple(zeros)
-                return tuple(
-                    mx.concatenate([s[..., :prev, :], z], axis=2)
-                    for s, z in zip(stored, zeros)
-                )
-
-            self.keys, self.values = grow(self.keys, keys), grow(self.values, values)
+        prev = self._idx
+        keys = _quantize(keys, self.group_size, self.bits)
+        values = _quantize(values, self.group_size, self.bits)
+        self.keys = _with_room(self.keys, keys, prev, self.step)
+        self.values = _with_room(self.values, values, prev, self.step)
+        n = keys[0].shape[2]
         self.offset = self.offset + n
         self._idx += n
         for stored, new in zip((*self.keys, *self.values), (*keys, *values)):
@@ -186,3 +203,16 @@ class BatchQuantizedKVCache(BatchKVCache):
     @property
     def nbytes(self) -> int:
         return _quantized_nbytes(self.keys, self.values)
+
+
+def adopt(cache: list) -> list:
+    """A KV cache read back as mlx-lm's classes (from a file), its quantized
+    layers made the kind that merges into a batch."""
+    return [
+        (
+            QuantizedKVCache.from_state(layer.state)
+            if type(layer) is mlx_cache.QuantizedKVCache
+            else layer
+        )
+        for layer in cache
+    ]

@@ -2,11 +2,13 @@
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from chat_output import OutputOptions
 from errors import FailedPrecondition, InvalidArgument
 from grammar import CompiledGrammar
 from model_loading import ModelInfo
+from prompt_cache_files import confine
 from python_utils import (
     MAX_DRAFT_TOKENS,
     TemplateArgs,
@@ -38,6 +40,18 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PromptFile:
+    """``PromptCachePath``: a file the prompt's KV state is restored from, and
+    saved to once the request is served."""
+
+    path: Path
+    # PromptCacheAll: save the generated tokens' state too.
+    everything: bool = False
+    # PromptCacheRO: restore only, never write.
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One parsed generation request, ready for the engine thread."""
 
@@ -57,6 +71,7 @@ class GenerationRequest:
     draft_tokens: int | None = None
     # The load the prompt was tokenized for; a request for a replaced model is refused.
     model_generation: int = 0
+    prompt_file: PromptFile | None = None
 
 
 def _pick(requested, default, fallback):
@@ -167,6 +182,17 @@ def parse_generation(request, info: ModelInfo) -> GenerationRequest:
         grammar=info.grammars.compile(request.Grammar) if request.Grammar else None,
         draft_tokens=request.NDraft or None,
         model_generation=info.generation,
+        prompt_file=parse_prompt_file(request, info),
+    )
+
+
+def parse_prompt_file(request, info: ModelInfo) -> PromptFile | None:
+    if not request.PromptCachePath:
+        return None
+    return PromptFile(
+        confine(request.PromptCachePath, info.prompt_file_roots),
+        everything=request.PromptCacheAll,
+        read_only=request.PromptCacheRO,
     )
 
 

@@ -516,6 +516,8 @@ def test_deadline_stops_generation(server):
         ({"LogitBias": '{"1": NaN}'}, "LogitBias"),
         ({"NDraft": -1}, "NDraft"),
         ({"NDraft": 33}, "NDraft"),
+        # This server has no ModelPath or prompt_cache_dir to keep files in.
+        ({"PromptCachePath": "system.cache"}, "PromptCachePath"),
     ],
 )
 def test_malformed_fields_are_invalid_argument(server, fields, field_name):

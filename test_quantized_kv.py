@@ -23,84 +23,93 @@ from python_utils import apply_cache_types, parse_options
 from quantized_kv import BatchQuantizedKVCache, QuantizedKVCache
 from test_engine import QUESTIONS, drive
 
-HEADS, DIM = 2, 64
+HEADS = 2
 
 
-def random_kv(rows: int, length: int, seed: int) -> tuple[mx.array, mx.array]:
-    mx.random.seed(seed)
-    shape = (rows, HEADS, length, DIM)
-    return mx.random.normal(shape), mx.random.normal(shape) * 3
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    bits: int = 8
+    dim: int = 64
+    group_size: int = 32
+
+    def kv(self, rows: int, length: int, seed: int) -> tuple[mx.array, mx.array]:
+        mx.random.seed(seed)
+        shape = (rows, HEADS, length, self.dim)
+        return mx.random.normal(shape), mx.random.normal(shape) * 3
+
+    def dequantized(self, part) -> mx.array:
+        return mx.dequantize(*part, group_size=self.group_size, bits=self.bits)
+
+    def round_trip(self, x: mx.array) -> mx.array:
+        return self.dequantized(
+            mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        )
+
+    def check_same(self, plain: BatchKVCache, quantized: BatchQuantizedKVCache):
+        """The quantized batch holds what quantizing the plain batch gives, with
+        the same bookkeeping (so the same masks)."""
+        assert quantized._idx == plain._idx
+        assert quantized.offset.tolist() == plain.offset.tolist()
+        assert quantized.left_padding.tolist() == plain.left_padding.tolist()
+        for ours, theirs in zip(quantized.keys_and_values(), plain.keys_and_values()):
+            assert mx.array_equal(self.dequantized(ours), self.round_trip(theirs))
+        assert mx.array_equal(quantized.make_mask(3), plain.make_mask(3))
+
+    def singles(self, lengths: list[int], seed: int) -> tuple[list, list]:
+        plain, quantized = [], []
+        for i, n in enumerate(lengths):
+            p = KVCache()
+            q = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+            if n:
+                keys, values = self.kv(1, n, seed + i)
+                p.update_and_fetch(keys, values)
+                q.update_and_fetch(keys, values)
+            plain.append(p)
+            quantized.append(q)
+        return plain, quantized
 
 
-def dequantized(part, group_size=32, bits=8) -> mx.array:
-    return mx.dequantize(*part, group_size=group_size, bits=bits)
-
-
-def quantized_round_trip(x: mx.array) -> mx.array:
-    return dequantized(mx.quantize(x, group_size=32, bits=8))
-
-
-def check_same(plain: BatchKVCache, quantized: BatchQuantizedKVCache) -> None:
-    """The quantized batch holds what quantizing the plain batch gives, with the
-    same bookkeeping (so the same masks)."""
-    assert quantized._idx == plain._idx
-    assert quantized.offset.tolist() == plain.offset.tolist()
-    assert quantized.left_padding.tolist() == plain.left_padding.tolist()
-    for ours, theirs in zip(quantized.keys_and_values(), plain.keys_and_values()):
-        assert mx.array_equal(dequantized(ours), quantized_round_trip(theirs))
-    assert mx.array_equal(quantized.make_mask(3), plain.make_mask(3))
-
-
-def singles(lengths: list[int], seed: int) -> tuple[list, list]:
-    plain, quantized = [], []
-    for i, n in enumerate(lengths):
-        p, q = KVCache(), QuantizedKVCache(group_size=32, bits=8)
-        if n:
-            keys, values = random_kv(1, n, seed + i)
-            p.update_and_fetch(keys, values)
-            q.update_and_fetch(keys, values)
-        plain.append(p)
-        quantized.append(q)
-    return plain, quantized
-
-
-def test_batch_operations_match_the_unquantized_batch():
-    plain_singles, quantized_singles = singles([5, 0, 9], seed=1)
+# 5 bits at 128 dims: mlx-lm's own single cache sizes its buffers wrongly there.
+@pytest.mark.parametrize("layout", [Layout(), Layout(bits=5, dim=128)])
+def test_batch_operations_match_the_unquantized_batch(layout: Layout):
+    plain_singles, quantized_singles = layout.singles([5, 0, 9], seed=1)
     plain = KVCache.merge(plain_singles)
     quantized = QuantizedKVCache.merge(quantized_singles)
     assert isinstance(quantized, BatchQuantizedKVCache)
-    check_same(plain, quantized)
+    layout.check_same(plain, quantized)
 
     # A decode step, then a right-padded prefill that finalize rolls left.
     for cache in (plain, quantized):
-        cache.update_and_fetch(*random_kv(3, 1, seed=7))
+        cache.update_and_fetch(*layout.kv(3, 1, seed=7))
         cache.prepare(lengths=[3, 1, 2], right_padding=[0, 2, 1])
-        cache.update_and_fetch(*random_kv(3, 3, seed=8))
+        cache.update_and_fetch(*layout.kv(3, 3, seed=8))
         cache.finalize()
-    check_same(plain, quantized)
+    layout.check_same(plain, quantized)
 
     for cache in (plain, quantized):
         cache.filter([0, 2])
-    check_same(plain, quantized)
+    layout.check_same(plain, quantized)
 
-    more_plain, more_quantized = singles([300, 2], seed=11)
+    more_plain, more_quantized = layout.singles([300, 2], seed=11)
     plain.extend(KVCache.merge(more_plain))
     quantized.extend(QuantizedKVCache.merge(more_quantized))
-    check_same(plain, quantized)
+    layout.check_same(plain, quantized)
 
-    # Trimmed, then one sequence taken out on its own.
+    # Trimmed, then one sequence taken out on its own, which grows again.
     assert quantized.trim(2) == plain.trim(2) == 2
     one, theirs = quantized.extract(2), plain.extract(2)
     assert isinstance(one, QuantizedKVCache) and one.offset == theirs.offset == 298
-    for ours, reference in zip(one.keys_and_values(), theirs.keys_and_values()):
-        assert mx.array_equal(dequantized(ours), quantized_round_trip(reference))
     assert one.nbytes == sum(x.nbytes for part in (one.keys, one.values) for x in part)
+    for cache in (one, theirs):
+        cache.update_and_fetch(*layout.kv(1, 2, seed=12))
+    for ours, reference in zip(one.keys_and_values(), theirs.keys_and_values()):
+        assert mx.array_equal(layout.dequantized(ours), layout.round_trip(reference))
 
 
 def test_an_empty_batch_extends_and_merges():
     empty = QuantizedKVCache.merge([QuantizedKVCache(32, 8), QuantizedKVCache(32, 8)])
     assert empty.keys is None and empty.nbytes == 0
-    _, filled = singles([4], seed=3)
+    _, filled = Layout().singles([4], seed=3)
     empty.extend(QuantizedKVCache.merge(filled))
     assert empty.left_padding.tolist() == [4, 4, 0]
     assert empty.extract(2).offset == 4
