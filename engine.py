@@ -674,8 +674,11 @@ class Engine:
         state = self._files.read(path, prompt, cached)
         if state is not None:
             cache, tokens = state
-            self._save_cache(self._generation, adopt(cache), tokens)
+            self._save_cache(self._generation, self._adopt(cache), tokens)
             logger.info("restored %d tokens' KV state from %s", len(tokens), path)
+
+    def _adopt(self, cache: list) -> list:
+        return adopt(cache, make_kv_cache(self._loaded.model, self.info.options))
 
     def _sync_files(self) -> None:
         """While idle, prompt_cache_dir comes to hold the prompt cache's entries."""
@@ -877,7 +880,7 @@ class Engine:
             trim_prompt_cache,
         )
         for cache, tokens in self._files.load_folder():
-            self._save_cache(self._generation, adopt(cache), tokens)
+            self._save_cache(self._generation, self._adopt(cache), tokens)
         self._cache_changed = False
         self._state = "ready"
         # The loaded model's objects live until the next load: keep the garbage
@@ -898,6 +901,7 @@ class Engine:
         options = info.options
         layout = (
             f"kv_bits={options.kv_bits},kv_group_size={options.kv_group_size},"
+            f"quantized_kv_start={options.quantized_kv_start},"
             f"max_kv_size={options.max_kv_size},fuse_lora={options.fuse_lora},"
             f"adapters={[(str(a.path), a.scale) for a in adapters]}"
         )

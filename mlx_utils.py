@@ -8,7 +8,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from python_utils import LoadOptions
-from quantized_kv import QuantizedKVCache
+from quantized_kv import QuantizedKVCache, StagedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,15 @@ def make_kv_cache(model: nn.Module, options: LoadOptions) -> list:
     """
     cache = make_prompt_cache(model)
     if options.kv_bits is not None:
-        group_size = options.kv_group_size or 64
+        group, bits = options.kv_group_size or 64, options.kv_bits
+        start = options.quantized_kv_start
         return [
             (
-                QuantizedKVCache(group_size=group_size, bits=options.kv_bits)
+                (
+                    StagedKVCache(start, group, bits)
+                    if start
+                    else QuantizedKVCache(group_size=group, bits=bits)
+                )
                 if type(c) is KVCache
                 else c
             )

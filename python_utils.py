@@ -36,6 +36,8 @@ class LoadOptions:
     # group size (None: 64, mlx-lm's default). CacheTypeKey/Value set them too.
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    # Tokens a sequence's KV cache holds at full precision before it is quantized.
+    quantized_kv_start: int = 0
     # LoRA adapters (lora.py) are folded into the weights instead of wrapping them.
     fuse_lora: bool = False
     # A folder that keeps the prompt cache's entries across restarts, and may hold
@@ -146,6 +148,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "max_cache_entries",
         "max_cache_bytes",
         "num_draft_tokens",
+        "quantized_kv_start",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 0:

@@ -10,7 +10,7 @@ mlx-lm's attention takes the quantized kernel for any cache with ``bits``.
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 _Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -125,6 +125,8 @@ class BatchQuantizedKVCache(BatchKVCache):
             self.left_padding -= shift
 
     def extend(self, other: "BatchQuantizedKVCache"):
+        if isinstance(other, BatchStagedKVCache):
+            other.quantize()
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -177,6 +179,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     @classmethod
     def merge(cls, caches: list) -> "BatchQuantizedKVCache":
+        caches = [as_quantized(c) for c in caches]
         group_size, bits = caches[0].group_size, caches[0].bits
         lengths = [c.offset for c in caches]
         longest = max(lengths)
@@ -205,14 +208,105 @@ class BatchQuantizedKVCache(BatchKVCache):
         return _quantized_nbytes(self.keys, self.values)
 
 
-def adopt(cache: list) -> list:
-    """A KV cache read back as mlx-lm's classes (from a file), its quantized
-    layers made the kind that merges into a batch."""
-    return [
-        (
-            QuantizedKVCache.from_state(layer.state)
-            if type(layer) is mlx_cache.QuantizedKVCache
-            else layer
+def adopt(cache: list, template: list) -> list:
+    """A KV cache read back as mlx-lm's classes (from a file) made the classes of
+    ``template``, a new cache of the loaded model, so that it batches."""
+    adopted = []
+    for layer, kind in zip(cache, template):
+        if type(layer) is mlx_cache.QuantizedKVCache:
+            layer = QuantizedKVCache.from_state(layer.state)
+        elif type(layer) is KVCache and isinstance(kind, StagedKVCache):
+            staged = StagedKVCache(kind.start, kind.group, kind.kv_bits)
+            staged.state = layer.state
+            layer = staged
+        adopted.append(layer)
+    return adopted
+
+
+def _quantized_copy(cache: "StagedKVCache") -> QuantizedKVCache:
+    quantized = QuantizedKVCache(group_size=cache.group, bits=cache.kv_bits)
+    if cache.keys is not None:
+        n = cache.offset
+        quantized.keys = _quantize(cache.keys[..., :n, :], cache.group, cache.kv_bits)
+        quantized.values = _quantize(
+            cache.values[..., :n, :], cache.group, cache.kv_bits
         )
-        for layer in cache
-    ]
+    quantized.offset = cache.offset
+    return quantized
+
+
+def as_quantized(cache) -> QuantizedKVCache:
+    return _quantized_copy(cache) if isinstance(cache, StagedKVCache) else cache
+
+
+class StagedKVCache(KVCache):
+    """A KV cache kept at full precision until it holds ``start`` tokens, then
+    quantized (mlx-lm's ``quantized_kv_start``).
+
+    It becomes a ``QuantizedKVCache`` in place, since the model's layers hold it.
+    Its settings are not named ``bits``: mlx-lm's attention would take that for a
+    quantized cache.
+    """
+
+    def __init__(self, start: int = 0, group: int = 64, kv_bits: int = 8):
+        super().__init__()
+        self.start, self.group, self.kv_bits = start, group, kv_bits
+
+    def update_and_fetch(self, keys, values):
+        # As mlx-lm's generate_step: a step that reaches start still runs at full
+        # precision; the cache is quantized before the next one.
+        if self.offset < self.start:
+            return super().update_and_fetch(keys, values)
+        quantized = _quantized_copy(self)
+        self.__class__ = QuantizedKVCache
+        self.__dict__ = quantized.__dict__
+        return self.update_and_fetch(keys, values)
+
+    @classmethod
+    def merge(cls, caches: list):
+        if any(isinstance(c, QuantizedKVCache) for c in caches):
+            return BatchQuantizedKVCache.merge(caches)
+        first = caches[0]
+        batch = BatchKVCache.merge(caches)
+        staged = BatchStagedKVCache([], first.start, first.group, first.kv_bits)
+        staged.__dict__.update(batch.__dict__)
+        return staged
+
+
+class BatchStagedKVCache(BatchKVCache):
+    """A batch's ``StagedKVCache``: every row is quantized together, once the
+    batch holds ``start`` positions."""
+
+    def __init__(
+        self, left_padding: list[int], start: int = 0, group: int = 64, kv_bits: int = 8
+    ):
+        super().__init__(left_padding)
+        self.start, self.group, self.kv_bits = start, group, kv_bits
+
+    def quantize(self) -> None:
+        """Become a ``BatchQuantizedKVCache`` in place."""
+        keys, values = self.keys, self.values
+        self.__class__ = BatchQuantizedKVCache
+        self.group_size, self.bits = self.group, self.kv_bits
+        if keys is not None:
+            self.keys = _quantize(keys[..., : self._idx, :], self.group, self.kv_bits)
+            self.values = _quantize(
+                values[..., : self._idx, :], self.group, self.kv_bits
+            )
+
+    def update_and_fetch(self, keys, values):
+        if self._idx < self.start:
+            return super().update_and_fetch(keys, values)
+        self.quantize()
+        return self.update_and_fetch(keys, values)
+
+    def extend(self, other):
+        if isinstance(other, BatchQuantizedKVCache):
+            self.quantize()
+            return self.extend(other)
+        super().extend(other)
+
+    def extract(self, idx: int) -> StagedKVCache:
+        staged = StagedKVCache(self.start, self.group, self.kv_bits)
+        staged.__dict__.update(super().extract(idx).__dict__)
+        return staged

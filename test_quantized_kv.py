@@ -5,6 +5,7 @@ import dataclasses
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from conftest import (
@@ -20,7 +21,12 @@ from decoders import BatchDecoder, SingleDecoder
 from errors import InvalidArgument
 from mlx_utils import make_kv_cache
 from python_utils import apply_cache_types, parse_options
-from quantized_kv import BatchQuantizedKVCache, QuantizedKVCache
+from quantized_kv import (
+    BatchQuantizedKVCache,
+    BatchStagedKVCache,
+    QuantizedKVCache,
+    StagedKVCache,
+)
 from test_engine import QUESTIONS, drive
 
 HEADS = 2
@@ -236,3 +242,56 @@ def test_the_engine_serves_and_caches_quantized_kv():
         )
     finally:
         engine.shutdown()
+
+
+def test_staged_caches_quantize_once_they_hold_start_tokens():
+    layout = Layout()
+    singles = [StagedKVCache(start=8, group=32, kv_bits=8) for _ in range(2)]
+    singles[0].update_and_fetch(*layout.kv(1, 3, seed=1))
+    batch = StagedKVCache.merge(singles)
+    assert isinstance(batch, BatchStagedKVCache) and not hasattr(batch, "bits")
+    batch.update_and_fetch(*layout.kv(2, 5, seed=2))
+    assert not hasattr(batch, "bits")  # 8 positions now, reached during that step
+    taken = batch.extract(0)
+    assert isinstance(taken, StagedKVCache) and taken.offset == 8
+    batch.update_and_fetch(*layout.kv(2, 1, seed=3))
+    assert isinstance(batch, BatchQuantizedKVCache) and batch.bits == 8
+    assert isinstance(batch.extract(1), QuantizedKVCache)
+    # A quantized batch takes in a staged one, and a staged single joins quantized.
+    _, quantized = layout.singles([4], seed=4)
+    batch.extend(StagedKVCache.merge([StagedKVCache(8, 32, 8)]))
+    mixed = StagedKVCache.merge([taken, *quantized])
+    assert isinstance(mixed, BatchQuantizedKVCache)
+    assert mixed.left_padding.tolist() == [0, 4] and len(batch.offset.tolist()) == 3
+
+
+def test_staged_decoding_matches_mlx_lm(engine):
+    """quantized_kv_start as mlx-lm's generate_step applies it: the same greedy
+    tokens through the switch to quantized."""
+
+    def both(model, options):
+        prompt = chat_prompt(engine)
+        start = len(prompt) + 6
+        ours = dataclasses.replace(quantized(options, 8), quantized_kv_start=start)
+        ((tokens, _, state),) = drive(
+            SingleDecoder(model, ours, True), model, ours, [prompt], 16, None
+        )
+        theirs = [
+            token
+            for token, _ in generate_step(
+                mx.array(prompt),
+                model,
+                max_tokens=16,
+                kv_bits=8,
+                kv_group_size=32,
+                quantized_kv_start=start,
+                prefill_step_size=options.prefill_step_size,
+            )
+        ]
+        ((batched, _, _),) = drive(
+            BatchDecoder(model, ours, True), model, ours, [prompt], 16, None
+        )
+        return tokens, batched, theirs, type(state.cache[0])
+
+    tokens, batched, theirs, kind = on_engine_thread(engine, both)
+    assert tokens == batched == theirs and kind is QuantizedKVCache
