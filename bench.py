@@ -19,6 +19,10 @@
 6. Speculative decoding (bench_speculative.py): decode tok/s with n-gram prompt
    lookup on and off for a copy-heavy and an open-ended stream, aggregate tok/s of
    8 mixed streams, the acceptance rate, and the copy stream on mlx_lm.server.
+7. Distributed (bench_distributed.py): 1 process, 2 ranks and 3 ranks on loopback.
+8. Memory and persistence (bench_memory.py): KV bytes per token and decode tok/s at
+   1 and 8 streams over a 4000-token context for full, q8_0 and q4_0 KV caches; the
+   first request's TTFT after a restart with and without its PromptCachePath file.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json.
@@ -42,6 +46,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import backend_pb2 as pb
 from bench_batching import bench_batching, percentile
 from bench_distributed import bench_distributed
+from bench_memory import bench_memory
 from bench_prefix import bench_prefix
 from bench_speculative import bench_speculative
 from conftest import Server
@@ -371,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-prefix", action="store_true", help="skip part 5")
     parser.add_argument("--speculative-rounds", type=int, default=5)
     parser.add_argument("--skip-speculative", action="store_true", help="skip part 6")
+    parser.add_argument("--memory-rounds", type=int, default=2)
+    parser.add_argument("--memory-tokens", type=int, default=48)
+    parser.add_argument("--skip-memory", action="store_true", help="skip part 8")
     parser.add_argument("--distributed-rounds", type=int, default=1)
     parser.add_argument("--distributed-tokens", type=int, default=32)
     parser.add_argument("--skip-distributed", action="store_true", help="skip part 7")
@@ -433,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
             plain = stack.enter_context(running_server(options=("speculative:off",)))
             report["speculative"], part = bench_speculative(
                 speculating, plain, str(exported), folder, args.speculative_rounds
+            )
+            lines += [""] + part
+        if not (args.skip_memory or args.only_batching):
+            fresh = stack.enter_context(running_server())
+            report["memory"], part = bench_memory(
+                fresh, running_server, args.memory_rounds, args.memory_tokens
             )
             lines += [""] + part
     if not (args.skip_distributed or args.only_batching):
