@@ -62,7 +62,7 @@ run: install
 # re-exec preloads (cpu_path.py prints that environment; nothing off Linux CPU).
 # Two workers, a file each: most of the time is spent waiting on backend processes.
 test: install $(VENV)/.test-installed
-	env $$($(PY) cpu_path.py) $(PY) -m pytest -v -n 2 --dist loadfile test_python_utils.py test_units.py test_gguf_loader.py test_mlx_cache.py test_detokenizer.py test_engine.py test_speculative.py test_distributed.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py
+	env $$($(PY) cpu_path.py) $(PY) -m pytest -v -n 2 --dist loadfile test_python_utils.py test_units.py test_gguf_loader.py test_mlx_cache.py test_quantized_kv.py test_lora.py test_prompt_cache_files.py test_detokenizer.py test_engine.py test_speculative.py test_distributed.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py
 
 # Mixed concurrent load against a real backend for SOAK_MINUTES: errors, latency, RSS.
 soak: install $(VENV)/.test-installed
