@@ -3,7 +3,8 @@
 KV cache types: the bytes of KV state per token, and decode tok/s at 1 and 8
 streams over a ~4000-token context (one document, a different question per
 stream), at full precision (float32 on the CPU path), ``q8_0`` and ``q4_0``, each
-loaded through ``CacheTypeKey`` / ``CacheTypeValue`` and taking turns first.
+loaded through ``CacheTypeKey`` / ``CacheTypeValue`` with speculative decoding off,
+and taking turns first.
 Then prompt cache files: the first request after a start, with a ~1500-token
 system prompt, without a ``PromptCachePath`` file and, after a restart, with it.
 """
@@ -54,11 +55,14 @@ def chat(system: str, question: str) -> list[dict]:
 
 
 def load(stub, cache_type: str, model_path: str = "") -> None:
+    # Without speculation: a lone stream over a repetitive document would measure
+    # how well n-gram lookup guesses, not the KV cache.
     request = pb.ModelOptions(
         Model="default",
         CacheTypeKey=cache_type,
         CacheTypeValue=cache_type,
         ModelPath=model_path,
+        Options=["speculative:off"],
     )
     result = stub.LoadModel(request)
     assert result.success, result.message
