@@ -56,7 +56,13 @@ from errors import (
 )
 from lora import Adapter, check_adapters
 from mlx_cache import ThreadSafeLRUPromptCache
-from mlx_utils import make_kv_cache, memory_snapshot, release_memory
+from mlx_utils import (
+    check_kv_cache,
+    make_kv_cache,
+    memory_snapshot,
+    model_signature,
+    release_memory,
+)
 from model_loading import (
     LoadedModel,
     ModelInfo,
@@ -672,10 +678,20 @@ class Engine:
             )
         cached = self._prompt_cache.cached_length(self._generation, prompt)
         state = self._files.read(path, prompt, cached)
-        if state is not None:
-            cache, tokens = state
-            self._save_cache(self._generation, self._adopt(cache), tokens)
-            logger.info("restored %d tokens' KV state from %s", len(tokens), path)
+        if state is None:
+            return
+        cache, tokens = state
+        self._save_cache(self._generation, self._adopt(cache), tokens)
+        if self._prompt_cache.cached_length(self._generation, prompt) <= cached:
+            logger.warning(
+                "the prompt cache can't keep the %d-token KV state of %s "
+                "(max_cache_entries, max_cache_bytes)",
+                len(tokens),
+                path,
+            )
+            self._files.unkept(path)
+            return
+        logger.info("restored %d tokens' KV state from %s", len(tokens), path)
 
     def _adopt(self, cache: list) -> list:
         return adopt(cache, make_kv_cache(self._loaded.model, self.info.options))
@@ -827,6 +843,7 @@ class Engine:
                 name, trust_remote_code=options.trust_remote_code, **kwargs
             )
             check_adapters(loaded.model, adapters)
+            check_kv_cache(loaded.model, options)
             sharding = None
             if lockstep is not None:
                 mode = choose_mode(
@@ -879,7 +896,7 @@ class Engine:
             can_trim_prompt_cache,
             trim_prompt_cache,
         )
-        for cache, tokens in self._files.load_folder():
+        for cache, tokens in self._files.load_folder(options.max_cache_entries):
             self._save_cache(self._generation, self._adopt(cache), tokens)
         self._cache_changed = False
         self._state = "ready"
@@ -905,7 +922,8 @@ class Engine:
             f"max_kv_size={options.max_kv_size},fuse_lora={options.fuse_lora},"
             f"adapters={[(str(a.path), a.scale) for a in adapters]}"
         )
-        fingerprint = make_fingerprint(info.source, info.tokenizer.vocab, layout)
+        identity = f"{info.source}; {model_signature(loaded.model, loaded.config)}"
+        fingerprint = make_fingerprint(identity, info.tokenizer.vocab, layout)
         layers = len(make_kv_cache(loaded.model, options))
         folder = None
         if options.prompt_cache_dir:

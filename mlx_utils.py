@@ -1,12 +1,16 @@
 """Small MLX / mlx-lm helpers: KV caches, batching, memory readings, logprobs."""
 
+import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from errors import InvalidArgument
 from python_utils import LoadOptions
 from quantized_kv import QuantizedKVCache, StagedKVCache
 
@@ -63,6 +67,32 @@ def make_kv_cache(model: nn.Module, options: LoadOptions) -> list:
         )
         for c in cache
     ]
+
+
+def check_kv_cache(model: nn.Module, options: LoadOptions) -> None:
+    """Build, without running, one token's forward pass over the quantized KV cache
+    the options ask for: a group size the head dims don't divide, or attention
+    sinks, then fail the load instead of every request. Lazy weights stay lazy."""
+    if options.kv_bits is None:
+        return
+    quantized = dataclasses.replace(options, quantized_kv_start=0)
+    try:
+        model(mx.array([[0]]), cache=make_kv_cache(model, quantized))
+    except Exception as e:
+        raise InvalidArgument(
+            f"Options: kv_bits {options.kv_bits} with kv_group_size "
+            f"{options.kv_group_size or 64}: this model's KV cache can't be "
+            f"quantized so ({e})"
+        ) from None
+
+
+def model_signature(model: nn.Module, config: dict) -> str:
+    """What KV states depend on: the config, and sums of the first and last
+    weights, so a model replaced at the same path (same layer count, new heads or
+    new weights) does not take the old one's saved states."""
+    leaves = tree_flatten(model.parameters())
+    sums = [mx.sum(leaves[i][1].astype(mx.float32)).item() for i in (0, -1) if leaves]
+    return json.dumps([config, sums], sort_keys=True, default=str)
 
 
 def memory_snapshot() -> dict[str, int]:

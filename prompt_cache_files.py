@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -73,10 +73,14 @@ def confine(path: str, roots: Sequence[Path], field: str = "PromptCachePath") ->
     """
     if not roots:
         raise InvalidArgument(f"{field} needs ModelPath or the option prompt_cache_dir")
-    allowed = [Path(root).resolve() for root in roots]
     if not path:
         raise InvalidArgument(f"{field} is empty")
-    resolved = (allowed[0] / path).resolve()  # an absolute path replaces allowed[0]
+    try:
+        allowed = [Path(root).resolve() for root in roots]
+        # An absolute path replaces allowed[0].
+        resolved = (allowed[0] / path).resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # a NUL byte, a link loop
+        raise InvalidArgument(f"{field} {path!r} can't be resolved: {e}") from None
     # A root itself is a folder, not a file inside it.
     if not any(resolved != root and resolved.is_relative_to(root) for root in allowed):
         raise InvalidArgument(
@@ -84,6 +88,37 @@ def confine(path: str, roots: Sequence[Path], field: str = "PromptCachePath") ->
             f"({', '.join(str(root) for root in allowed)})"
         )
     return resolved
+
+
+def _header(path: Path) -> tuple[int, dict] | None:
+    """A safetensors file's header length and JSON header, read without its
+    arrays; None when it has none."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= 1 << 24:
+                return None
+            header = json.loads(f.read(length))
+    except (OSError, ValueError):
+        return None
+    return (length, header) if isinstance(header, dict) else None
+
+
+def is_prompt_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file that save_state wrote (for any model)."""
+    found = path.is_file() and _header(path)
+    return bool(found) and found[1].get("__metadata__", {}).get("0.format") == FORMAT
+
+
+def _complete(path: Path) -> bool:
+    """Whether a written safetensors file holds every byte its header promises:
+    MLX reports no error when the disk fills."""
+    found = _header(path)
+    if found is None:
+        return False
+    length, header = found
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return path.stat().st_size == 8 + length + max(ends, default=0)
 
 
 def _as_mlx_lm(layer):
@@ -130,6 +165,9 @@ def save_state(
     tokens = [int(t) for t in tokens]
     if why := _offset_mismatch(cache, len(tokens)):
         raise ValueError(f"Not saving {path}: {why}")
+    # A request names the path: never replace a file that is not one of ours.
+    if path.exists() and not is_prompt_file(path):
+        raise ValueError(f"{path} exists and is not a prompt cache file")
     layers = [_as_mlx_lm(layer) for layer in cache]
     metadata = {
         "fingerprint": fingerprint,
@@ -145,6 +183,8 @@ def save_state(
         save_prompt_cache(tmp, layers, metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        if not _complete(Path(tmp)):
+            raise OSError(f"writing {path} was cut short (is the disk full?)")
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
@@ -221,6 +261,9 @@ def load_state(
     """
     if not path.exists():
         return None
+    if not path.is_file():
+        logger.warning("Ignoring the prompt cache file %s: not a regular file", path)
+        return None
     try:
         return _read(path, fingerprint, layers)
     except PromptFileError as e:
@@ -250,11 +293,11 @@ class PromptCacheDir:
         key = json.dumps([self.fingerprint, [int(t) for t in tokens]]).encode()
         return self.folder / (hashlib.sha256(key).hexdigest()[:32] + SUFFIX)
 
-    def entries(self) -> list[tuple[list, list[int]]]:
-        """The valid entries as ``(cache, tokens)``, oldest first.
+    def entries(self, limit: int) -> Iterator[tuple[list, list[int]]]:
+        """The valid entries among the newest ``limit`` files, as ``(cache, tokens)``,
+        oldest first, read one at a time.
 
-        Files that don't load are skipped with a warning and left in place: another
-        model's entries may share the folder.
+        Files that don't load are skipped with a warning and left in place.
         """
         stamped = []
         for path in self.folder.glob("*" + SUFFIX):  # none if there is no folder yet
@@ -262,8 +305,7 @@ class PromptCacheDir:
                 with suppress(OSError):  # removed since the scan
                     stamped.append((path.stat().st_mtime_ns, path))
         stamped.sort()
-        found = []
-        for _, path in stamped:
+        for _, path in stamped[max(0, len(stamped) - limit) :] if limit > 0 else []:
             entry = load_state(path, self.fingerprint, self.layers)
             if entry is None:
                 continue
@@ -271,8 +313,7 @@ class PromptCacheDir:
                 # remove() could never find it; a renamed copy, most likely.
                 logger.warning("Ignoring the prompt cache file %s: misnamed", path)
                 continue
-            found.append(entry)
-        return found
+            yield entry
 
     def write(self, tokens: Sequence[int], cache: list) -> None:
         """Save one entry, replacing any earlier one for the same tokens.
@@ -333,6 +374,7 @@ class PromptFiles:
         # What each file held when this process last read or wrote it.
         self._known: dict[Path, tuple[int, tuple[int, ...]]] = {}
         self._written: set[tuple[int, ...]] = set()
+        self._unkept: dict[Path, int | None] = {}
 
     @property
     def _key(self) -> tuple[str, int]:
@@ -350,7 +392,7 @@ class PromptFiles:
         ``cached`` tokens memory serves; a bad file is None with a warning."""
         stamp = self._stamp(path)
         known = self._known.get(path)
-        if stamp is None:
+        if stamp is None or self._unkept.get(path) == stamp:
             return None
         if known and known[0] == stamp and _common_length(known[1], prompt) <= cached:
             return None
@@ -381,13 +423,18 @@ class PromptFiles:
             return
         self._known[path] = (self._stamp(path), tuple(tokens))
 
-    def load_folder(self) -> list[tuple[list, list[int]]]:
-        """prompt_cache_dir's entries, oldest first."""
+    def load_folder(self, limit: int) -> Iterator[tuple[list, list[int]]]:
+        """prompt_cache_dir's newest ``limit`` entries, oldest first."""
         if self.folder is None:
-            return []
-        entries = self.folder.entries()
-        self._written = {tuple(tokens) for _, tokens in entries}
-        return entries
+            return
+        for cache, tokens in self.folder.entries(limit):
+            self._written.add(tuple(tokens))
+            yield cache, tokens
+
+    def unkept(self, path: Path) -> None:
+        """The prompt cache could not keep ``path``'s state: don't read it again
+        until it changes."""
+        self._unkept[path] = self._stamp(path)
 
     def sync_folder(self, entries: list[tuple[tuple[int, ...], list]]) -> None:
         """Make prompt_cache_dir hold the prompt cache's ``entries``."""

@@ -6,14 +6,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import backend_pb2 as pb
 import prompt_cache_files as pcf
-from conftest import QUESTION, on_engine_thread, run, stats_after, text_of
+from conftest import QUESTION, TINY_LLAMA, on_engine_thread, run, stats_after, text_of
 from engine import Engine
 from errors import InvalidArgument
+from mlx_utils import model_signature
 from prompt_cache_files import (
     PromptCacheDir,
     confine,
@@ -208,7 +210,7 @@ def test_confine(tmp_path):
 def test_prompt_cache_dir(tmp_path, caplog):
     folder = tmp_path / "entries"
     pcd = PromptCacheDir(folder, FP, 4)
-    assert pcd.entries() == []  # no folder yet
+    assert list(pcd.entries(10)) == []  # no folder yet
     states = [state(t, seed=t) for t in (3, 5, 4)]
     for (cache, tokens), mtime in zip(states, (3000, 1000, 2000)):
         pcd.write(tokens, cache)
@@ -224,7 +226,7 @@ def test_prompt_cache_dir(tmp_path, caplog):
     (folder / ".prompt-cache-x.safetensors").write_bytes(entry)
 
     with caplog.at_level(logging.WARNING, logger=pcf.__name__):
-        got = pcd.entries()
+        got = list(pcd.entries(10))
     assert [tokens for _, tokens in got] == [states[i][1] for i in (1, 2, 0)]
     assert_same(got[0][0], states[1][0])
     assert len(caplog.records) == 3
@@ -236,8 +238,51 @@ def test_prompt_cache_dir(tmp_path, caplog):
 
     pcd.remove(states[1][1])
     pcd.remove(states[1][1])  # already gone: no error
-    assert [tokens for _, tokens in pcd.entries()] == [states[i][1] for i in (2, 0)]
+    assert [tokens for _, tokens in pcd.entries(10)] == [states[i][1] for i in (2, 0)]
     assert not (folder / pcd._path(states[1][1]).name).exists()
+
+
+def test_prompt_cache_dir_reads_the_newest_entries(tmp_path):
+    pcd = PromptCacheDir(tmp_path, FP, 4)
+    states = [state(t, seed=t) for t in (3, 5, 4)]
+    for (cache, tokens), mtime in zip(states, (3000, 1000, 2000)):
+        pcd.write(tokens, cache)
+        os.utime(pcd._path(tokens), (mtime, mtime))
+    assert [t for _, t in pcd.entries(2)] == [states[i][1] for i in (2, 0)]
+    assert list(pcd.entries(0)) == []
+
+
+def test_files_that_are_not_prompt_caches_are_never_replaced(tmp_path, caplog):
+    config = tmp_path / "phi.yaml"
+    config.write_text("name: phi\n")
+    with pytest.raises(ValueError, match="is not a prompt cache file"):
+        save_state(config, *state(5), FP)
+    assert config.read_text() == "name: phi\n"
+    folder = tmp_path / "folder.cache"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="is not a prompt cache file"):
+        save_state(folder, *state(5), FP)
+    with caplog.at_level(logging.WARNING):
+        assert load_state(folder, FP, 4) is None
+    assert "not a regular file" in caplog.text
+
+
+def test_a_short_write_keeps_the_old_file(tmp_path, monkeypatch):
+    """MLX reports no error when the disk fills: the written length is checked."""
+    path = good_file(tmp_path)
+    before = path.read_bytes()
+    real = pcf.save_prompt_cache
+
+    def short(file, *args):
+        real(file, *args)
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)
+
+    monkeypatch.setattr(pcf, "save_prompt_cache", short)
+    with pytest.raises(OSError, match="cut short"):
+        save_state(path, *state(6, seed=3), FP)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == [path.name]
 
 
 # -- the engine: PromptCachePath and prompt_cache_dir on the embedded model ------
@@ -308,15 +353,20 @@ def test_a_restart_restores_the_prompt_from_its_file(tmp_path, caplog):
         # The file already held that prompt: it was not written again.
         assert path.stat().st_mtime_ns == stamp
 
-        # A corrupt file is ignored with a warning, and replaced by a good one.
+        # A corrupt file is ignored with a warning, and never replaced; nor is a
+        # file of LocalAI's that a request names.
         bad = tmp_path / "bad.cache"
         bad.write_bytes(b"\x00garbage" * 100)
+        (tmp_path / "phi.yaml").write_text("name: phi\n")
         with caplog.at_level(logging.WARNING):
-            assert ask(engine, "bad.cache", PromptCacheRO=True)[0] == text
+            assert ask(engine, "bad.cache")[0] == text
+            assert ask(engine, "phi.yaml")[0] == text
         assert f"Ignoring the prompt cache file {bad}" in caplog.text
-        assert bad.read_bytes() == b"\x00garbage" * 100  # read-only: kept
-        ask(engine, "bad.cache")
-        assert load_state(bad, *key) is not None
+        assert f"{tmp_path / 'phi.yaml'} exists and is not a prompt cache" in (
+            caplog.text
+        )
+        assert bad.read_bytes() == b"\x00garbage" * 100
+        assert (tmp_path / "phi.yaml").read_text() == "name: phi\n"
         # PromptCacheAll keeps the generated tokens' state too.
         ask(engine, "all.cache", PromptCacheAll=True)
         assert len(load_state(tmp_path / "all.cache", *key)[1]) > len(prompt)
@@ -393,3 +443,35 @@ def test_prompt_cache_dir_keeps_the_cache_across_restarts(tmp_path):
             )
     finally:
         engine.shutdown()
+
+
+def test_a_file_the_cache_cannot_keep_is_read_once(tmp_path, caplog, monkeypatch):
+    engine = files_engine(tmp_path)
+    try:
+        ask(engine, "system.cache")
+    finally:
+        engine.shutdown()
+    reads = []
+    real = pcf.load_state
+    monkeypatch.setattr(pcf, "load_state", lambda *a: reads.append(a) or real(*a))
+    engine = files_engine(tmp_path, "max_cache_entries:0")
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert ask(engine, "system.cache")[1] == 0
+            assert ask(engine, "system.cache")[1] == 0
+        assert len(reads) == 1
+        assert "the prompt cache can't keep the" in caplog.text
+    finally:
+        engine.shutdown()
+
+
+def test_the_model_signature_follows_config_and_weights():
+    """A model replaced at the same path must not take the old one's files."""
+    config = {**TINY_LLAMA, "vocab_size": 64}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    first = model_signature(model, config)
+    assert model_signature(model, config) == first
+    assert model_signature(model, {**config, "num_key_value_heads": 4}) != first
+    model.update(tree_map(lambda x: x * 1.5, model.parameters()))
+    assert model_signature(model, config) != first

@@ -9,6 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from conftest import (
+    ANSWER,
     chat_prompt,
     generation,
     load_engine,
@@ -295,3 +296,13 @@ def test_staged_decoding_matches_mlx_lm(engine):
 
     tokens, batched, theirs, kind = on_engine_thread(engine, both)
     assert tokens == batched == theirs and kind is QuantizedKVCache
+
+
+def test_a_layout_the_model_cannot_take_fails_the_load(engine):
+    """SmolLM2's heads have 64 dims: groups of 128 can't quantize them. The load
+    fails before the running model is unloaded."""
+    options = parse_options(["kv_bits:8", "kv_group_size:128"])
+    with pytest.raises(InvalidArgument, match="kv_group_size 128: this model's KV"):
+        engine.load("", options, 0, identity="default").result()
+    assert engine.stats.state == "ready"
+    assert text_of(run(engine, generation(engine))[0]) == ANSWER
