@@ -8,6 +8,7 @@ codes once, here.
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import hmac
 import inspect
@@ -233,6 +234,10 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             options = apply_cache_types(
                 options, request.CacheTypeKey, request.CacheTypeValue
             )
+            if request.Threads < 0:
+                raise InvalidArgument("Threads must not be negative")
+            if request.Threads:
+                options = dataclasses.replace(options, threads=request.Threads)
             adapters = make_adapters(
                 request.LoraAdapter,
                 request.LoraScale,

@@ -188,6 +188,36 @@ def blas_threads() -> int | None:
     return None if calls is None else int(calls[1]())
 
 
+def physical_cores() -> int:
+    """The physical cores this process may run on: hyperthreads share a core's
+    floating-point units, so a BLAS thread per logical CPU only adds contention."""
+    allowed = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:
+            return len(allowed)
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+BLAS_THREAD_ENV = ("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def choose_blas_threads(requested: int, cores: int, environ) -> tuple[int | None, str]:
+    """The BLAS thread count and why: ``ModelOptions.Threads`` when set, else
+    None when the environment sets the BLAS's own variable, else the physical cores."""
+    if requested > 0:
+        return requested, "Threads"
+    for name in BLAS_THREAD_ENV:
+        if environ.get(name, "").strip():
+            return None, name
+    return cores, "physical cores"
+
+
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -209,11 +239,14 @@ class ComputePath:
     dequantized_bytes: int = 0
     # Prompt tokens per prefill chunk when LoadModel does not set one.
     prefill_step_size: int = CPU_PREFILL_STEP_SIZE
+    # The fast BLAS's threads, as it reports them (0: no fast BLAS in use).
+    blas_threads: int = 0
 
     def breakdown(self) -> dict[str, int]:
         return {
             "fast_blas": int(self.fast_blas),
             "dequantized_weights": self.dequantized_bytes,
+            "blas_threads": self.blas_threads,
         }
 
 

@@ -24,7 +24,13 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from cpu_path import physical_memory
+from cpu_path import (
+    blas_threads,
+    choose_blas_threads,
+    physical_cores,
+    physical_memory,
+    set_blas_threads,
+)
 from decoders import (
     Decoder,
     KVState,
@@ -865,6 +871,7 @@ class Engine:
             else options.max_cache_bytes
         )
         generation = self._generation + 1
+        threads = self._set_threads(options)
         if lockstep is not None:
             lockstep.stall_seconds = options.distributed_step_timeout
             lockstep.record(
@@ -886,6 +893,13 @@ class Engine:
             self._state = "error"
             raise
         info = self._open_files(loaded, info, adapters, kwargs.get("model_path", ""))
+        path = info.compute_path
+        if threads:
+            path = dataclasses.replace(
+                path, description=f"{path.description}; {threads}"
+            )
+        path = dataclasses.replace(path, blas_threads=blas_threads() or 0)
+        info = dataclasses.replace(info, compute_path=path)
         self._loaded, self.info, self._decoder = loaded, info, decoder
         self._generation = info.generation
         self._prompt_cache = make_group_prompt_cache(
@@ -905,6 +919,23 @@ class Engine:
         gc.collect()
         gc.freeze()
         return info
+
+    def _set_threads(self, options: LoadOptions) -> str:
+        """Cap the fast BLAS's threads for this model; what was set, for the load
+        message (empty: nothing, as on a GPU or without a fast BLAS)."""
+        if mx.default_device() != mx.cpu:
+            return ""
+        if self._lockstep is not None and not options.threads:
+            return ""  # the group's ranks share the cores (distributed.share_cores)
+        threads, why = choose_blas_threads(
+            options.threads, physical_cores(), os.environ
+        )
+        if threads is None:
+            threads = blas_threads()
+        elif not set_blas_threads(threads):
+            return ""
+        logger.info("BLAS threads: %s (%s)", threads, why)
+        return f"{threads} BLAS threads ({why})"
 
     def _open_files(
         self,

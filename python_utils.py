@@ -48,6 +48,8 @@ class LoadOptions:
     max_cache_bytes: int | None = None
     enable_thinking: bool | None = None
     trust_remote_code: bool = False
+    # BLAS threads (ModelOptions.Threads; 0: the physical cores).
+    threads: int = 0
     # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
@@ -149,6 +151,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "max_cache_bytes",
         "num_draft_tokens",
         "quantized_kv_start",
+        "threads",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 0:

@@ -618,6 +618,7 @@ STILL_SERVING = "still serving default model"
             {"Model": "default", "CacheTypeKey": "q8_0", "CacheTypeValue": "q3_k"},
             "CacheTypeValue: unknown cache type 'q3_k'",
         ),
+        ({"Model": "default", "Threads": -1}, "Threads must not be negative"),
     ],
 )
 def test_a_failed_load_keeps_the_model_serving(server, mlx_folder, options, expected):

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
@@ -29,10 +30,12 @@ from conftest import (
     text_of,
     wait_idle,
 )
+from cpu_path import blas_threads, choose_blas_threads, physical_cores
 from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
 from engine import Engine, common_length
 from errors import Aborted, FailedPrecondition
 from mlx_utils import make_kv_cache
+from python_utils import parse_options
 from reply_pipeline import Finished, Output
 from request_parsing import GenerationRequest, SamplingParams
 
@@ -508,3 +511,27 @@ def test_mixed_bursts_share_within_each_group(sharing, reference):
     assert stats_after(sharing)["prompt_tokens_prefilled"] == sum(
         map(len, prompts)
     ) - sum(shared)
+
+
+def test_threads_cap_the_blas():
+    """ModelOptions.Threads caps the fast BLAS, read back through its own API;
+    unset, the BLAS runs a thread per physical core."""
+    assert choose_blas_threads(0, 4, {}) == (4, "physical cores")
+    assert choose_blas_threads(1, 4, {"MKL_NUM_THREADS": "2"}) == (1, "Threads")
+    assert choose_blas_threads(0, 4, {"MKL_NUM_THREADS": "2"}) == (
+        None,
+        "MKL_NUM_THREADS",
+    )
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+    if blas_threads() is None or choose_blas_threads(0, 1, os.environ)[0] is None:
+        pytest.skip("no fast BLAS in this process, or its threads set by the env")
+    engine = load_engine("threads:1")
+    try:
+        assert blas_threads() == 1
+        assert stats_after(engine)["blas_threads"] == 1
+        assert "1 BLAS threads (Threads)" in engine.info.compute_path.description
+        engine.load("", parse_options([]), 0, identity="default").result()
+        assert blas_threads() == physical_cores()
+        assert stats_after(engine)["blas_threads"] == physical_cores()
+    finally:
+        engine.shutdown()
