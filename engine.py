@@ -61,7 +61,7 @@ from errors import (
     Unavailable,
 )
 from lora import Adapter, check_adapters
-from mlx_cache import ThreadSafeLRUPromptCache
+from mlx_cache import ThreadSafeLRUPromptCache, common_length
 from mlx_utils import (
     check_kv_cache,
     make_kv_cache,
@@ -95,12 +95,6 @@ PROMPT_CACHE_MEMORY_FRACTION = 0.1
 # A request waits for another's prefill only to skip at least this many tokens:
 # below it, copying the shared KV state costs about what prefilling it does.
 SHARED_PREFIX_MIN_TOKENS = 64
-
-
-def common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """The length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,12 @@ class _Entry:
     count: int = 1
 
 
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def cache_nbytes(prompt_cache: Sequence[Any]) -> int:
     """Bytes held by the KV arrays of a per-layer list of caches.
 

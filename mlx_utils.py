@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,30 +44,20 @@ def make_kv_cache(model: nn.Module, options: LoadOptions) -> list:
     """
     cache = make_prompt_cache(model)
     if options.kv_bits is not None:
-        group, bits = options.kv_group_size or 64, options.kv_bits
-        start = options.quantized_kv_start
-        return [
-            (
-                (
-                    StagedKVCache(start, group, bits)
-                    if start
-                    else QuantizedKVCache(group_size=group, bits=bits)
-                )
-                if type(c) is KVCache
-                else c
-            )
-            for c in cache
-        ]
-    if options.max_kv_size is None:
-        return cache
-    return [
-        (
-            RotatingKVCache(max_size=options.max_kv_size, keep=4)
-            if type(c) is KVCache
-            else c
+        group, bits, start = (
+            options.kv_group_size or 64,
+            options.kv_bits,
+            options.quantized_kv_start,
         )
-        for c in cache
-    ]
+        if start:
+            layer = partial(StagedKVCache, start, group, bits)
+        else:
+            layer = partial(QuantizedKVCache, group_size=group, bits=bits)
+    elif options.max_kv_size is not None:
+        layer = partial(RotatingKVCache, max_size=options.max_kv_size, keep=4)
+    else:
+        return cache
+    return [layer() if type(c) is KVCache else c for c in cache]
 
 
 def check_kv_cache(model: nn.Module, options: LoadOptions) -> None:

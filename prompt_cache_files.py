@@ -26,6 +26,7 @@ from mlx_lm.models.cache import (
 )
 
 from errors import InvalidArgument
+from mlx_cache import common_length
 
 logger = logging.getLogger(__name__)
 
@@ -351,11 +352,6 @@ def _fit(cache: list, tokens: Sequence[int]) -> tuple[list, list[int]] | None:
     return layers, [int(t) for t in tokens[:n]]
 
 
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 class PromptFiles:
     """The engine's prompt cache files: ``PromptCachePath`` files, read when they
     would serve more of a prompt than memory does and written when their state
@@ -370,15 +366,13 @@ class PromptFiles:
     def __init__(self, fingerprint: str, layers: int, folder: Path | None = None):
         self.fingerprint = fingerprint
         self.layers = layers
-        self.folder = None if folder is None else PromptCacheDir(folder, *self._key)
+        self.folder = (
+            None if folder is None else PromptCacheDir(folder, fingerprint, layers)
+        )
         # What each file held when this process last read or wrote it.
         self._known: dict[Path, tuple[int, tuple[int, ...]]] = {}
         self._written: set[tuple[int, ...]] = set()
         self._unkept: dict[Path, int | None] = {}
-
-    @property
-    def _key(self) -> tuple[str, int]:
-        return self.fingerprint, self.layers
 
     def _stamp(self, path: Path) -> int | None:
         with suppress(OSError):
@@ -394,14 +388,14 @@ class PromptFiles:
         known = self._known.get(path)
         if stamp is None or self._unkept.get(path) == stamp:
             return None
-        if known and known[0] == stamp and _common_length(known[1], prompt) <= cached:
+        if known and known[0] == stamp and common_length(known[1], prompt) <= cached:
             return None
-        state = load_state(path, *self._key)
+        state = load_state(path, self.fingerprint, self.layers)
         if state is None:
             self._known.pop(path, None)
             return None
         self._known[path] = (stamp, tuple(state[1]))
-        if _common_length(state[1], prompt) <= cached:
+        if common_length(state[1], prompt) <= cached:
             return None
         return state
 

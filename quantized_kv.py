@@ -34,20 +34,38 @@ def _with_room(stored: _Triple | None, new: _Triple, prev: int, step: int) -> _T
     )
 
 
+def _append(cache, keys: mx.array, values: mx.array, prev: int) -> int:
+    """Quantize ``keys`` and ``values`` into ``cache``'s buffers after ``prev``
+    positions; the position after them."""
+    keys = _quantize(keys, cache.group_size, cache.bits)
+    values = _quantize(values, cache.group_size, cache.bits)
+    cache.keys = _with_room(cache.keys, keys, prev, cache.step)
+    cache.values = _with_room(cache.values, values, prev, cache.step)
+    end = prev + keys[0].shape[2]
+    for stored, new in zip((*cache.keys, *cache.values), (*keys, *values)):
+        stored[..., prev:end, :] = new
+    return end
+
+
+def _quantize_prefix(
+    keys: mx.array | None, values: mx.array | None, n: int, group: int, bits: int
+) -> tuple[_Triple | None, _Triple | None]:
+    """The first ``n`` positions of unquantized buffers, quantized."""
+    if keys is None:
+        return None, None
+    return (
+        _quantize(keys[..., :n, :], group, bits),
+        _quantize(values[..., :n, :], group, bits),
+    )
+
+
 class QuantizedKVCache(mlx_cache.QuantizedKVCache):
     """mlx-lm's quantized KV cache for one sequence, which merges into a batch."""
 
     def update_and_fetch(self, keys, values):
         # mlx-lm sizes its buffers as dims // (32 // bits) words, too many when
         # bits does not divide 32 (5 or 6 bits at 128 dims); these take quantize's.
-        prev = self.offset
-        keys = _quantize(keys, self.group_size, self.bits)
-        values = _quantize(values, self.group_size, self.bits)
-        self.keys = _with_room(self.keys, keys, prev, self.step)
-        self.values = _with_room(self.values, values, prev, self.step)
-        self.offset += keys[0].shape[2]
-        for stored, new in zip((*self.keys, *self.values), (*keys, *values)):
-            stored[..., prev : self.offset, :] = new
+        self.offset = _append(self, keys, values, self.offset)
         return self.keys_and_values()
 
     def size(self) -> int:
@@ -75,16 +93,8 @@ class BatchQuantizedKVCache(BatchKVCache):
         self.bits = bits
 
     def update_and_fetch(self, keys, values):
-        prev = self._idx
-        keys = _quantize(keys, self.group_size, self.bits)
-        values = _quantize(values, self.group_size, self.bits)
-        self.keys = _with_room(self.keys, keys, prev, self.step)
-        self.values = _with_room(self.values, values, prev, self.step)
-        n = keys[0].shape[2]
-        self.offset = self.offset + n
-        self._idx += n
-        for stored, new in zip((*self.keys, *self.values), (*keys, *values)):
-            stored[..., prev : self._idx, :] = new
+        self.offset = self.offset + keys.shape[2]
+        self._idx = _append(self, keys, values, self._idx)
         return self.keys_and_values()
 
     def keys_and_values(self):
@@ -225,12 +235,9 @@ def adopt(cache: list, template: list) -> list:
 
 def _quantized_copy(cache: "StagedKVCache") -> QuantizedKVCache:
     quantized = QuantizedKVCache(group_size=cache.group, bits=cache.kv_bits)
-    if cache.keys is not None:
-        n = cache.offset
-        quantized.keys = _quantize(cache.keys[..., :n, :], cache.group, cache.kv_bits)
-        quantized.values = _quantize(
-            cache.values[..., :n, :], cache.group, cache.kv_bits
-        )
+    quantized.keys, quantized.values = _quantize_prefix(
+        cache.keys, cache.values, cache.offset, cache.group, cache.kv_bits
+    )
     quantized.offset = cache.offset
     return quantized
 
@@ -285,14 +292,11 @@ class BatchStagedKVCache(BatchKVCache):
 
     def quantize(self) -> None:
         """Become a ``BatchQuantizedKVCache`` in place."""
-        keys, values = self.keys, self.values
+        self.keys, self.values = _quantize_prefix(
+            self.keys, self.values, self._idx, self.group, self.kv_bits
+        )
         self.__class__ = BatchQuantizedKVCache
         self.group_size, self.bits = self.group, self.kv_bits
-        if keys is not None:
-            self.keys = _quantize(keys[..., : self._idx, :], self.group, self.kv_bits)
-            self.values = _quantize(
-                values[..., : self._idx, :], self.group, self.kv_bits
-            )
 
     def update_and_fetch(self, keys, values):
         if self._idx < self.start:
