@@ -5,7 +5,9 @@ import ctypes
 import importlib.metadata
 import logging
 import os
+import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,12 +243,15 @@ class ComputePath:
     prefill_step_size: int = CPU_PREFILL_STEP_SIZE
     # The fast BLAS's threads, as it reports them (0: no fast BLAS in use).
     blas_threads: int = 0
+    # Batched CPU decode steps are paced (``Pacing``).
+    paced: bool = False
 
     def breakdown(self) -> dict[str, int]:
         return {
             "fast_blas": int(self.fast_blas),
             "dequantized_weights": self.dequantized_bytes,
             "blas_threads": self.blas_threads,
+            "cpu_paced": int(self.paced),
         }
 
 
@@ -299,12 +304,55 @@ def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
     """A logits processor that starts the step's forward pass, then waits for the
     previous token, before the rest of the step's graph is built.
 
-    On a CPU the Python thread then no longer builds graphs while every core runs
-    the matmuls: decoding one stream is about 15% faster on 2 cores.
+    The Python thread then builds no graphs while the cores run the matmuls. Whether
+    that pays depends on the machine: it was 20% faster on one 2-core machine and
+    17% slower on another, so ``choose_pacing`` decides by measuring.
     """
     mx.async_eval(logits)
     tokens[-1].item()
     return logits
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Whether CPU decode steps are paced (``pace_step``), and why; shown in the
+    load log, LoadModel and Status."""
+
+    paced: bool
+    # What decided: the option, a measurement, or why there was none.
+    reason: str
+    # One stream's tokens/s in each measured segment, paced and unpaced.
+    paced_tps: tuple[float, ...] = ()
+    unpaced_tps: tuple[float, ...] = ()
+
+    def describe(self) -> str:
+        mode = "on" if self.paced else "off"
+        if not (self.paced_tps and self.unpaced_tps):
+            return f"CPU pacing {mode} ({self.reason})"
+        return (
+            f"CPU pacing {mode} ({self.reason}: "
+            f"{statistics.median(self.paced_tps):.1f} tok/s paced, "
+            f"{statistics.median(self.unpaced_tps):.1f} unpaced)"
+        )
+
+
+def choose_pacing(
+    option: str, paced_tps: Sequence[float] = (), unpaced_tps: Sequence[float] = ()
+) -> Pacing:
+    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` the mode whose
+    median tokens/s was higher; a tie, or no measurement, leaves steps unpaced.
+
+    Args:
+        option: ``on``, ``off`` or ``auto``.
+        paced_tps: Tokens/s measured with paced steps, a figure per segment.
+        unpaced_tps: The same without pacing.
+    """
+    if option != "auto":
+        return Pacing(option == "on", f"cpu_pacing:{option}")
+    if not (paced_tps and unpaced_tps):
+        return Pacing(False, "auto, not measured")
+    paced = statistics.median(paced_tps) > statistics.median(unpaced_tps)
+    return Pacing(paced, "auto, measured", tuple(paced_tps), tuple(unpaced_tps))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ decoder runs; a new generation path is one new ``Decoder`` class.
 import copy
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,8 +20,14 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from cpu_path import pace_step
-from mlx_utils import Scored, gather_logprobs, make_kv_cache, unbatchable_reason
+from cpu_path import Pacing, blas_threads, choose_pacing, pace_step
+from mlx_utils import (
+    Scored,
+    gather_logprobs,
+    make_kv_cache,
+    model_signature,
+    unbatchable_reason,
+)
 from python_utils import LoadOptions
 from sampling import see_cached_prompt
 
@@ -141,7 +148,13 @@ class BatchDecoder(Decoder):
     """Continuous batching on mlx-lm's ``BatchGenerator``: every sequence decodes in
     one forward pass per step, and prompts are prefilled a chunk per step."""
 
-    def __init__(self, model: nn.Module, options: LoadOptions, trimmable: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        options: LoadOptions,
+        trimmable: bool,
+        pace: bool = False,
+    ):
         self._model = model
         self._options = options
         self.capabilities = Capabilities(
@@ -151,7 +164,7 @@ class BatchDecoder(Decoder):
         self._rows: dict[int, int | None] = {}
         # Each row's prompt prefixes still to snapshot, in prefill order.
         self._snapshots: dict[int, list[tuple[int, ...]]] = {}
-        self._pace = mx.default_device() == mx.cpu
+        self._pace = pace
         self._batch = self._make_batch()
 
     def _make_batch(self) -> BatchGenerator:
@@ -392,11 +405,106 @@ class SingleDecoder(Decoder):
         self._rows.clear()
 
 
-def make_plain_decoder(model: nn.Module, options: LoadOptions) -> Decoder:
-    """The decoder for a loaded model: batched when its KV caches can be merged."""
+def make_plain_decoder(
+    model: nn.Module, options: LoadOptions, pace: bool = False
+) -> Decoder:
+    """The decoder for a loaded model: batched when its KV caches can be merged,
+    with paced CPU steps when ``pace`` (``make_pacing``)."""
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:
         logger.info("requests run one sequence each: %s", why)
         return SingleDecoder(model, options, trimmable)
-    return BatchDecoder(model, options, trimmable)
+    return BatchDecoder(model, options, trimmable, pace)
+
+
+# Pacing is measured over one greedy decode in segments of this many tokens, in
+# rounds of paced, unpaced, unpaced, paced, until a round ends past the budget.
+PACING_SEGMENT = 8
+PACING_WARMUP = 4
+PACING_MAX_ROUNDS = 2
+PACING_BUDGET_S = 0.5
+_PACING_ORDER = (True, False, False, True)
+_measured: dict[tuple, Pacing] = {}
+
+
+def measure_pacing(
+    model: nn.Module, options: LoadOptions, budget_s: float = PACING_BUDGET_S
+) -> tuple[list[float], list[float]]:
+    """One stream's tokens/s with paced and unpaced steps, a figure per segment.
+
+    One decode serves both modes: a switch takes effect at the next step, and the
+    first token of each segment is not timed.
+    """
+    paced = False
+
+    def switchable(tokens: mx.array, logits: mx.array) -> mx.array:
+        return pace_step(tokens, logits) if paced else logits
+
+    tokens = PACING_WARMUP + PACING_MAX_ROUNDS * len(_PACING_ORDER) * PACING_SEGMENT
+    batch = BatchGenerator(
+        model, prefill_step_size=options.prefill_step_size, stream=thread_stream()
+    )
+    batch.insert(
+        [list(range(1, 9))],
+        max_tokens=[tokens + 1],
+        caches=[make_kv_cache(model, options)],
+        logits_processors=[[switchable]],
+    )
+
+    def decode(count: int) -> float:
+        """Tokens/s over ``count`` tokens, from the first one's arrival."""
+        arrivals = []
+        while len(arrivals) < count:
+            if batch.next()[1]:
+                arrivals.append(time.perf_counter())
+        return (count - 1) / (arrivals[-1] - arrivals[0])
+
+    figures: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        decode(PACING_WARMUP)
+        start = time.perf_counter()
+        for _ in range(PACING_MAX_ROUNDS):
+            for paced in _PACING_ORDER:
+                figures[paced].append(decode(PACING_SEGMENT))
+            if time.perf_counter() - start > budget_s:
+                break
+    finally:
+        batch.close()
+    return figures[True], figures[False]
+
+
+def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
+    """Whether the model's CPU decode steps are paced: as ``cpu_pacing`` says, or
+    for ``auto`` as measured on this machine (the better mode differs by CPU)."""
+    if mx.default_device() != mx.cpu:
+        return Pacing(False, "not the CPU")
+    if options.cpu_pacing != "auto":
+        return choose_pacing(options.cpu_pacing)
+    if not alone:
+        # Every rank would have to run the measurement's collectives together.
+        return Pacing(False, "auto, not measured over a distributed group")
+    if unbatchable_reason(model, options):
+        return Pacing(False, "auto: only batched steps are paced")
+    # A reload of the same weights, KV layout and threads keeps its measurement.
+    key = (
+        model_signature(model, {}),
+        options.kv_bits,
+        options.kv_group_size,
+        options.quantized_kv_start,
+        blas_threads(),
+    )
+    if key in _measured:
+        return _measured[key]
+    start = time.perf_counter()
+    with mx.stream(thread_stream()):
+        pacing = choose_pacing("auto", *measure_pacing(model, options))
+    _measured[key] = pacing
+    logger.info(
+        "%s; measured in %.2f s (tok/s paced %s, unpaced %s)",
+        pacing.describe(),
+        time.perf_counter() - start,
+        ", ".join(f"{t:.1f}" for t in pacing.paced_tps),
+        ", ".join(f"{t:.1f}" for t in pacing.unpaced_tps),
+    )
+    return pacing

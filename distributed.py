@@ -36,6 +36,7 @@ from decoders import (
     KVState,
     NewSequence,
     StepResult,
+    make_pacing,
     make_plain_decoder,
     thread_stream,
 )
@@ -790,7 +791,8 @@ class Follower:
             loaded, info = prepare_model(
                 loaded, "", op.options, op.context_size, op.generation, sharding
             )
-            decoder = make_plain_decoder(loaded.model, info.options)
+            pacing = make_pacing(loaded.model, info.options, alone=False)
+            decoder = make_plain_decoder(loaded.model, info.options, pacing.paced)
             cache = make_group_prompt_cache(
                 self._lockstep,
                 op.options,

@@ -36,6 +36,7 @@ from decoders import (
     KVState,
     NewSequence,
     StepResult,
+    make_pacing,
     make_plain_decoder,
     thread_stream,
 )
@@ -979,10 +980,20 @@ class Engine:
             loaded, info = prepare_model(
                 loaded, identity, options, context_size, generation, sharding, adapters
             )
+            pacing = make_pacing(loaded.model, info.options, alone=lockstep is None)
+            path = info.compute_path
+            info = dataclasses.replace(
+                info,
+                compute_path=dataclasses.replace(
+                    path,
+                    description=f"{path.description}; {pacing.describe()}",
+                    paced=pacing.paced,
+                ),
+            )
             if lockstep is None:
-                decoder = make_decoder(loaded.model, info.options, draft)
+                decoder = make_decoder(loaded.model, info.options, draft, pacing.paced)
             else:
-                decoder = make_plain_decoder(loaded.model, info.options)
+                decoder = make_plain_decoder(loaded.model, info.options, pacing.paced)
                 if not decoder.capabilities.batching:
                     raise InvalidArgument(
                         "distributed serving needs a model whose KV caches batch"

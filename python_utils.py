@@ -50,6 +50,9 @@ class LoadOptions:
     trust_remote_code: bool = False
     # BLAS threads (ModelOptions.Threads; 0: the physical cores).
     threads: int = 0
+    # CPU decode steps wait for the previous token before building the rest of the
+    # step: "on", "off", or "auto" (measured at load, cpu_path.choose_pacing).
+    cpu_pacing: str = "auto"
     # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
@@ -164,6 +167,10 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
     if parsed.speculative not in SPECULATIVE_MODES:
         raise InvalidArgument(
             f"Options: speculative must be one of {', '.join(SPECULATIVE_MODES)}"
+        )
+    if parsed.cpu_pacing not in CPU_PACING_MODES:
+        raise InvalidArgument(
+            f"Options: cpu_pacing must be one of {', '.join(CPU_PACING_MODES)}"
         )
     if parsed.num_draft_tokens > MAX_DRAFT_TOKENS:
         raise InvalidArgument(
@@ -288,6 +295,7 @@ def check_sampling(field: str, name: str, value: float) -> float:
 
 EMBEDDING_POOLINGS = ("mean", "last")
 SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
+CPU_PACING_MODES = ("auto", "on", "off")
 DISTRIBUTED_BACKENDS = ("ring", "jaccl", "mpi")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # Proposed tokens one step may verify, at most (LoadModel option and NDraft).

@@ -467,12 +467,16 @@ class SpeculativeDecoder(Decoder):
 
 
 def make_decoder(
-    model: nn.Module, options: LoadOptions, draft: nn.Module | None = None
+    model: nn.Module,
+    options: LoadOptions,
+    draft: nn.Module | None = None,
+    pace: bool = False,
 ) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
-    can be merged), speculating for a lone sequence with ``draft`` or n-gram
-    prompt lookup, unless that is off or the KV caches only rotate."""
-    inner = make_plain_decoder(model, options)
+    can be merged, with paced CPU steps when ``pace``), speculating for a lone
+    sequence with ``draft`` or n-gram prompt lookup, unless that is off or the KV
+    caches only rotate."""
+    inner = make_plain_decoder(model, options, pace)
     # Rotating (sliding-window) caches cannot always be trimmed back.
     growing = all(
         isinstance(c, (KVCache, QuantizedKVCache))

@@ -332,6 +332,10 @@ def test_linux_cpu_runs_the_fast_path(server):
     assert breakdown["dequantized_weights"] > 500_000_000
     assert f"restarting with {library} preloaded" in server.logs()
     assert "weights dequantized to float32" in server.logs()
+    # Pacing measured at load, and named in the load message.
+    paced = breakdown["cpu_paced"]
+    mode = "on" if paced else "off"
+    assert f"CPU pacing {mode} (auto, measured: " in server.logs()
     # The reference answer on the fast path.
     assert server.stub.Predict(chat(Tokens=40)).message.decode() == ANSWER
 
@@ -554,6 +558,7 @@ def test_context_size_identity_and_reload(server):
     path = str(default_model_path())
     result = server.stub.LoadModel(pb.ModelOptions(Model=path, ContextSize=40))
     assert result.success, result.message
+    assert "CPU pacing" in result.message
     try:
         # 37 prompt tokens leave room for 3.
         reply = server.stub.Predict(chat(Tokens=0, IgnoreEOS=True))

@@ -10,7 +10,9 @@ import dataclasses
 import json
 import logging
 import os
+import re
 
+import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -30,7 +32,7 @@ from conftest import (
     text_of,
     wait_idle,
 )
-from cpu_path import blas_threads, choose_blas_threads, physical_cores
+from cpu_path import blas_threads, choose_blas_threads, choose_pacing, physical_cores
 from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
 from engine import Engine, common_length
 from errors import Aborted, FailedPrecondition
@@ -533,5 +535,70 @@ def test_threads_cap_the_blas():
         engine.load("", parse_options([]), 0, identity="default").result()
         assert blas_threads() == physical_cores()
         assert stats_after(engine)["blas_threads"] == physical_cores()
+    finally:
+        engine.shutdown()
+
+
+def test_pacing_is_decided_by_the_faster_figures_unless_the_option_says():
+    slow, fast = [30.0, 31.0, 29.0], [40.0, 38.0]
+    assert not choose_pacing("auto", slow, fast).paced
+    assert choose_pacing("auto", fast, slow).paced
+    assert not choose_pacing("auto", [40.0], [40.0]).paced  # a tie stays unpaced
+    assert choose_pacing("auto") == choose_pacing("auto", slow, ())
+    assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
+    assert choose_pacing("on").describe() == "CPU pacing on (cpu_pacing:on)"
+    assert not choose_pacing("off").paced
+    measured = choose_pacing("auto", fast, slow)
+    assert measured.describe() == (
+        "CPU pacing on (auto, measured: 39.0 tok/s paced, 30.0 unpaced)"
+    )
+
+
+def test_pacing_keeps_the_greedy_tokens(engine):
+    """Paced and unpaced batched steps decode the same tokens, alone and batched."""
+    if engine.info.options.max_kv_size is not None:
+        pytest.skip("only batched steps are paced")
+
+    def decode(model, options):
+        prompts = [chat_prompt(engine, q) for q in QUESTIONS]
+        return [
+            [
+                drive(
+                    BatchDecoder(model, options, True, pace), model, options, p, 16, 2
+                )
+                for p in (prompts[:1], prompts)
+            ]
+            for pace in (False, True)
+        ]
+
+    unpaced, paced = on_engine_thread(engine, decode)
+    for plain, with_pacing in zip(unpaced, paced):
+        assert [t for t, _, _ in plain] == [t for t, _, _ in with_pacing]
+    assert unpaced[0][0][0] == unpaced[1][0][0]  # alone as in the batch
+
+
+def test_pacing_is_chosen_at_load_and_reported():
+    """``cpu_pacing`` sets it; ``auto`` measures it on the CPU. The load message
+    and Status say which, and replies are the same."""
+    on_cpu = mx.default_device() == mx.cpu
+    engine = load_engine("cpu_pacing:on")
+    try:
+        path = engine.info.compute_path
+        expected = "CPU pacing on (cpu_pacing:on)" if on_cpu else "(not the CPU)"
+        assert expected in path.description
+        assert stats_after(engine)["cpu_paced"] == int(on_cpu)
+        (events,) = run(engine, generation(engine, max_tokens=40))
+        assert text_of(events) == ANSWER
+        engine.load("", parse_options([]), 0, identity="default").result()
+        path = engine.info.compute_path
+        if on_cpu:
+            assert re.search(
+                r"CPU pacing (on|off) \(auto, measured: [\d.]+ tok/s paced, "
+                r"[\d.]+ unpaced\)",
+                path.description,
+            ), path.description
+        assert stats_after(engine)["cpu_paced"] == int(path.paced)
+        (events,) = run(engine, generation(engine, max_tokens=40))
+        assert text_of(events) == ANSWER
     finally:
         engine.shutdown()

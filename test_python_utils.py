@@ -136,6 +136,7 @@ def test_parse_options_ignores_unknown_keys():
         ("penalty:inf", "repetition_penalty"),
         ("max_stream_backlog:0", "max_stream_backlog"),
         ("speculative:maybe", "speculative"),
+        ("cpu_pacing:sometimes", "cpu_pacing must be one of auto, on, off"),
         ("num_draft_tokens:33", "num_draft_tokens"),
         ("num_draft_tokens:-1", "num_draft_tokens"),
         ("ngram_min:0", "ngram_min"),
