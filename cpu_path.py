@@ -7,7 +7,7 @@ import logging
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,8 +243,9 @@ class ComputePath:
     prefill_step_size: int = CPU_PREFILL_STEP_SIZE
     # The fast BLAS's threads, as it reports them (0: no fast BLAS in use).
     blas_threads: int = 0
-    # Batched CPU decode steps are paced (``Pacing``).
+    # How decode steps wait for the previous token (``Pacing``).
     paced: bool = False
+    grammar_overlap: bool = True
 
     def breakdown(self) -> dict[str, int]:
         return {
@@ -252,6 +253,7 @@ class ComputePath:
             "dequantized_weights": self.dequantized_bytes,
             "blas_threads": self.blas_threads,
             "cpu_paced": int(self.paced),
+            "grammar_overlap": int(self.grammar_overlap),
         }
 
 
@@ -313,46 +315,70 @@ def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
     return logits
 
 
+def wait_step(tokens: mx.array, logits: mx.array) -> mx.array:
+    """A logits processor that waits for the previous token before the forward pass
+    starts: the step of a grammar mask that does not overlap the forward pass."""
+    tokens[-1].item()
+    return logits
+
+
+# The step shapes pacing is measured with, as logits processors.
+PACING_STEPS = {"paced": pace_step, "unpaced": None, "waiting": wait_step}
+
+
 @dataclass(frozen=True)
 class Pacing:
-    """Whether CPU decode steps are paced (``pace_step``), and why; shown in the
-    load log, LoadModel and Status."""
+    """How CPU decode steps wait for the previous token; shown in the load log,
+    LoadModel and Status.
+
+    ``paced``: batched steps start the forward pass, then wait (``pace_step``).
+    ``grammar_overlap``: a grammar mask is computed while the forward pass runs,
+    rather than before it starts (grammar.py).
+    """
 
     paced: bool
+    grammar_overlap: bool
     # What decided: the option, a measurement, or why there was none.
     reason: str
-    # One stream's tokens/s in each measured segment, paced and unpaced.
-    paced_tps: tuple[float, ...] = ()
-    unpaced_tps: tuple[float, ...] = ()
+    # One stream's tokens/s per measured segment, by step shape (PACING_STEPS).
+    figures: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def describe(self) -> str:
-        mode = "on" if self.paced else "off"
-        if not (self.paced_tps and self.unpaced_tps):
-            return f"CPU pacing {mode} ({self.reason})"
-        return (
-            f"CPU pacing {mode} ({self.reason}: "
-            f"{statistics.median(self.paced_tps):.1f} tok/s paced, "
-            f"{statistics.median(self.unpaced_tps):.1f} unpaced)"
+        on = {True: "on", False: "off"}
+        text = (
+            f"CPU pacing {on[self.paced]}, grammar overlap "
+            f"{on[self.grammar_overlap]} ({self.reason}"
         )
+        if self.figures:
+            rates = ", ".join(
+                f"{shape} {statistics.median(tps):.1f}" for shape, tps in self.figures
+            )
+            text += f": tok/s {rates}"
+        return text + ")"
 
 
-def choose_pacing(
-    option: str, paced_tps: Sequence[float] = (), unpaced_tps: Sequence[float] = ()
-) -> Pacing:
-    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` the mode whose
-    median tokens/s was higher; a tie, or no measurement, leaves steps unpaced.
+def choose_pacing(option: str, figures: Mapping[str, Sequence[float]] = {}) -> Pacing:
+    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` by measured
+    speed: steps are paced when that beats unpaced steps, and a grammar mask
+    overlaps the forward pass when paced steps beat waiting ones. A tie keeps the
+    simpler step.
 
     Args:
         option: ``on``, ``off`` or ``auto``.
-        paced_tps: Tokens/s measured with paced steps, a figure per segment.
-        unpaced_tps: The same without pacing.
+        figures: One stream's tokens/s per measured segment for each shape of
+          ``PACING_STEPS``; empty when nothing was measured.
     """
     if option != "auto":
-        return Pacing(option == "on", f"cpu_pacing:{option}")
-    if not (paced_tps and unpaced_tps):
-        return Pacing(False, "auto, not measured")
-    paced = statistics.median(paced_tps) > statistics.median(unpaced_tps)
-    return Pacing(paced, "auto, measured", tuple(paced_tps), tuple(unpaced_tps))
+        return Pacing(option == "on", option == "on", f"cpu_pacing:{option}")
+    if not all(figures.get(shape) for shape in PACING_STEPS):
+        return Pacing(False, True, "auto, not measured")
+    speed = {shape: statistics.median(figures[shape]) for shape in PACING_STEPS}
+    return Pacing(
+        speed["paced"] > speed["unpaced"],
+        speed["paced"] > speed["waiting"],
+        "auto, measured",
+        tuple((shape, tuple(figures[shape])) for shape in PACING_STEPS),
+    )
 
 
 if __name__ == "__main__":

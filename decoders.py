@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from cpu_path import Pacing, blas_threads, choose_pacing, pace_step
+from cpu_path import PACING_STEPS, Pacing, blas_threads, choose_pacing, pace_step
 from mlx_utils import (
     Scored,
     gather_logprobs,
@@ -419,27 +419,30 @@ def make_plain_decoder(
 
 
 # Pacing is measured over one greedy decode in segments of this many tokens, in
-# rounds of paced, unpaced, unpaced, paced, until a round ends past the budget.
+# rounds that visit each step shape twice in mirrored order, until a round ends
+# past the budget.
 PACING_SEGMENT = 8
 PACING_WARMUP = 4
 PACING_MAX_ROUNDS = 2
 PACING_BUDGET_S = 0.5
-_PACING_ORDER = (True, False, False, True)
+_PACING_ORDER = (*PACING_STEPS, *reversed(PACING_STEPS))
 _measured: dict[tuple, Pacing] = {}
 
 
 def measure_pacing(
     model: nn.Module, options: LoadOptions, budget_s: float = PACING_BUDGET_S
-) -> tuple[list[float], list[float]]:
-    """One stream's tokens/s with paced and unpaced steps, a figure per segment.
+) -> dict[str, list[float]]:
+    """One stream's tokens/s with each step shape of ``PACING_STEPS``, a figure
+    per segment.
 
-    One decode serves both modes: a switch takes effect at the next step, and the
+    One decode serves every shape: a switch takes effect at the next step, and the
     first token of each segment is not timed.
     """
-    paced = False
+    shape = "unpaced"
 
     def switchable(tokens: mx.array, logits: mx.array) -> mx.array:
-        return pace_step(tokens, logits) if paced else logits
+        step = PACING_STEPS[shape]
+        return logits if step is None else step(tokens, logits)
 
     tokens = PACING_WARMUP + PACING_MAX_ROUNDS * len(_PACING_ORDER) * PACING_SEGMENT
     batch = BatchGenerator(
@@ -460,32 +463,33 @@ def measure_pacing(
                 arrivals.append(time.perf_counter())
         return (count - 1) / (arrivals[-1] - arrivals[0])
 
-    figures: dict[bool, list[float]] = {True: [], False: []}
+    figures: dict[str, list[float]] = {name: [] for name in PACING_STEPS}
     try:
         decode(PACING_WARMUP)
         start = time.perf_counter()
         for _ in range(PACING_MAX_ROUNDS):
-            for paced in _PACING_ORDER:
-                figures[paced].append(decode(PACING_SEGMENT))
+            for shape in _PACING_ORDER:
+                figures[shape].append(decode(PACING_SEGMENT))
             if time.perf_counter() - start > budget_s:
                 break
     finally:
         batch.close()
-    return figures[True], figures[False]
+    return figures
 
 
 def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
-    """Whether the model's CPU decode steps are paced: as ``cpu_pacing`` says, or
-    for ``auto`` as measured on this machine (the better mode differs by CPU)."""
+    """How the model's CPU decode steps wait for the previous token: as
+    ``cpu_pacing`` says, or for ``auto`` as measured on this machine (the better
+    shape differs by CPU)."""
     if mx.default_device() != mx.cpu:
-        return Pacing(False, "not the CPU")
+        return Pacing(False, True, "not the CPU")
     if options.cpu_pacing != "auto":
         return choose_pacing(options.cpu_pacing)
     if not alone:
         # Every rank would have to run the measurement's collectives together.
-        return Pacing(False, "auto, not measured over a distributed group")
+        return Pacing(False, True, "auto, not measured over a distributed group")
     if unbatchable_reason(model, options):
-        return Pacing(False, "auto: only batched steps are paced")
+        return Pacing(False, True, "auto, not measured: only batched steps are paced")
     # A reload of the same weights, KV layout and threads keeps its measurement.
     key = (
         model_signature(model, {}),
@@ -498,13 +502,15 @@ def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
         return _measured[key]
     start = time.perf_counter()
     with mx.stream(thread_stream()):
-        pacing = choose_pacing("auto", *measure_pacing(model, options))
+        pacing = choose_pacing("auto", measure_pacing(model, options))
     _measured[key] = pacing
     logger.info(
-        "%s; measured in %.2f s (tok/s paced %s, unpaced %s)",
+        "%s; measured in %.2f s (tok/s per segment: %s)",
         pacing.describe(),
         time.perf_counter() - start,
-        ", ".join(f"{t:.1f}" for t in pacing.paced_tps),
-        ", ".join(f"{t:.1f}" for t in pacing.unpaced_tps),
+        "; ".join(
+            f"{shape} {', '.join(f'{t:.1f}' for t in tps)}"
+            for shape, tps in pacing.figures
+        ),
     )
     return pacing

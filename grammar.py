@@ -145,12 +145,16 @@ class GrammarState:
 
 
 def make_grammar_processor(
-    grammar: CompiledGrammar, eos_tokens: Iterable[int], vocab_size: int
+    grammar: CompiledGrammar,
+    eos_tokens: Iterable[int],
+    vocab_size: int,
+    overlap: bool = True,
 ) -> tuple[GrammarState, Callable[[mx.array, mx.array], mx.array]]:
     """A logits processor that allows only what ``grammar`` allows next.
 
-    The matcher takes each sampled token at the next call. The model's forward
-    pass is started before the mask is computed, so the two overlap. A finished
+    The matcher takes each sampled token at the next call. With ``overlap`` the
+    model's forward pass is started before the mask is computed, so the two
+    overlap; on some CPUs that split step is slower (cpu_path.Pacing). A finished
     grammar, or a dead end, leaves only end-of-sequence: the sequence always ends.
 
     Returns:
@@ -171,7 +175,8 @@ def make_grammar_processor(
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
         nonlocal started, only_eos
-        mx.async_eval(logits)
+        if overlap:
+            mx.async_eval(logits)
         if started and state.error is None and not state.complete:
             token = tokens[-1].item()
             if not matcher.consume_token(token):

@@ -540,18 +540,37 @@ def test_threads_cap_the_blas():
 
 
 def test_pacing_is_decided_by_the_faster_figures_unless_the_option_says():
+    def measured(paced, unpaced, waiting):
+        return choose_pacing(
+            "auto", {"paced": paced, "unpaced": unpaced, "waiting": waiting}
+        )
+
     slow, fast = [30.0, 31.0, 29.0], [40.0, 38.0]
-    assert not choose_pacing("auto", slow, fast).paced
-    assert choose_pacing("auto", fast, slow).paced
-    assert not choose_pacing("auto", [40.0], [40.0]).paced  # a tie stays unpaced
-    assert choose_pacing("auto") == choose_pacing("auto", slow, ())
-    assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
-    assert choose_pacing("on").describe() == "CPU pacing on (cpu_pacing:on)"
-    assert not choose_pacing("off").paced
-    measured = choose_pacing("auto", fast, slow)
-    assert measured.describe() == (
-        "CPU pacing on (auto, measured: 39.0 tok/s paced, 30.0 unpaced)"
+    pacing = measured(slow, fast, fast)
+    assert (pacing.paced, pacing.grammar_overlap) == (False, False)
+    assert pacing.describe() == (
+        "CPU pacing off, grammar overlap off "
+        "(auto, measured: tok/s paced 30.0, unpaced 39.0, waiting 39.0)"
     )
+    pacing = measured(fast, slow, slow)
+    assert (pacing.paced, pacing.grammar_overlap) == (True, True)
+    # Paced steps may beat waiting ones (a grammar's) but not unpaced ones.
+    pacing = measured([35.0], [40.0], [30.0])
+    assert (pacing.paced, pacing.grammar_overlap) == (False, True)
+    pacing = measured([40.0], [40.0], [40.0])  # a tie keeps the simpler step
+    assert (pacing.paced, pacing.grammar_overlap) == (False, False)
+    assert choose_pacing("auto") == choose_pacing("auto", {"paced": slow})
+    assert choose_pacing("auto").describe() == (
+        "CPU pacing off, grammar overlap on (auto, not measured)"
+    )
+    on, off = choose_pacing("on"), choose_pacing("off")
+    assert (on.paced, on.grammar_overlap, off.paced, off.grammar_overlap) == (
+        True,
+        True,
+        False,
+        False,
+    )
+    assert on.describe() == "CPU pacing on, grammar overlap on (cpu_pacing:on)"
 
 
 def test_pacing_keeps_the_greedy_tokens(engine):
@@ -579,12 +598,31 @@ def test_pacing_keeps_the_greedy_tokens(engine):
 
 def test_pacing_is_chosen_at_load_and_reported():
     """``cpu_pacing`` sets it; ``auto`` measures it on the CPU. The load message
-    and Status say which, and replies are the same."""
+    and Status say which, and replies are the same, under a grammar too."""
     on_cpu = mx.default_device() == mx.cpu
+
+    def person(engine) -> str:
+        grammar = engine.info.grammars.compile(json.dumps(PERSON_SCHEMA))
+        request = generation(
+            engine, "Describe a person as JSON.", max_tokens=200, grammar=grammar
+        )
+        (events,) = run(engine, request)
+        return text_of(events)
+
+    engine = load_engine("cpu_pacing:off")
+    try:
+        assert stats_after(engine)["grammar_overlap"] == int(not on_cpu)
+        unpaced = person(engine)
+        check_person(unpaced)
+    finally:
+        engine.shutdown()
     engine = load_engine("cpu_pacing:on")
     try:
+        assert person(engine) == unpaced
         path = engine.info.compute_path
-        expected = "CPU pacing on (cpu_pacing:on)" if on_cpu else "(not the CPU)"
+        expected = "CPU pacing on, grammar overlap on (cpu_pacing:on)"
+        if not on_cpu:
+            expected = "(not the CPU)"
         assert expected in path.description
         assert stats_after(engine)["cpu_paced"] == int(on_cpu)
         (events,) = run(engine, generation(engine, max_tokens=40))
@@ -593,11 +631,13 @@ def test_pacing_is_chosen_at_load_and_reported():
         path = engine.info.compute_path
         if on_cpu:
             assert re.search(
-                r"CPU pacing (on|off) \(auto, measured: [\d.]+ tok/s paced, "
-                r"[\d.]+ unpaced\)",
+                r"CPU pacing (on|off), grammar overlap (on|off) \(auto, measured: "
+                r"tok/s paced [\d.]+, unpaced [\d.]+, waiting [\d.]+\)",
                 path.description,
             ), path.description
-        assert stats_after(engine)["cpu_paced"] == int(path.paced)
+        stats = stats_after(engine)
+        assert stats["cpu_paced"] == int(path.paced)
+        assert stats["grammar_overlap"] == int(path.grammar_overlap)
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
     finally:
