@@ -243,9 +243,8 @@ class ComputePath:
     prefill_step_size: int = CPU_PREFILL_STEP_SIZE
     # The fast BLAS's threads, as it reports them (0: no fast BLAS in use).
     blas_threads: int = 0
-    # How decode steps wait for the previous token (``Pacing``).
+    # Batched CPU decode steps are paced (``Pacing``).
     paced: bool = False
-    grammar_overlap: bool = True
 
     def breakdown(self) -> dict[str, int]:
         return {
@@ -253,7 +252,6 @@ class ComputePath:
             "dequantized_weights": self.dequantized_bytes,
             "blas_threads": self.blas_threads,
             "cpu_paced": int(self.paced),
-            "grammar_overlap": int(self.grammar_overlap),
         }
 
 
@@ -303,52 +301,34 @@ def prepare_for_cpu(
 
 
 def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
-    """A logits processor that starts the step's forward pass, then waits for the
-    previous token, before the rest of the step's graph is built.
+    """A logits processor that runs the step's forward pass to its end before the
+    rest of the step's graph is built.
 
     The Python thread then builds no graphs while the cores run the matmuls. Whether
-    that pays depends on the machine: it was 20% faster on one 2-core machine and
-    17% slower on another, so ``choose_pacing`` decides by measuring.
+    that pays depends on the machine: one 2-core machine decoded 20% faster with
+    it and another 9% slower, so ``choose_pacing`` decides by measuring.
     """
-    mx.async_eval(logits)
-    tokens[-1].item()
-    return logits
-
-
-def wait_step(tokens: mx.array, logits: mx.array) -> mx.array:
-    """A logits processor that waits for the previous token before the forward pass
-    starts: the step of a grammar mask that does not overlap the forward pass."""
-    tokens[-1].item()
+    mx.eval(logits)
     return logits
 
 
 # The step shapes pacing is measured with, as logits processors.
-PACING_STEPS = {"paced": pace_step, "unpaced": None, "waiting": wait_step}
+PACING_STEPS = {"paced": pace_step, "unpaced": None}
 
 
 @dataclass(frozen=True)
 class Pacing:
-    """How CPU decode steps wait for the previous token; shown in the load log,
-    LoadModel and Status.
-
-    ``paced``: batched steps start the forward pass, then wait (``pace_step``).
-    ``grammar_overlap``: a grammar mask is computed while the forward pass runs,
-    rather than before it starts (grammar.py).
-    """
+    """Whether batched CPU decode steps are paced (``pace_step``), and why; shown
+    in the load log, LoadModel and Status."""
 
     paced: bool
-    grammar_overlap: bool
     # What decided: the option, a measurement, or why there was none.
     reason: str
     # One stream's tokens/s per measured segment, by step shape (PACING_STEPS).
     figures: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def describe(self) -> str:
-        on = {True: "on", False: "off"}
-        text = (
-            f"CPU pacing {on[self.paced]}, grammar overlap "
-            f"{on[self.grammar_overlap]} ({self.reason}"
-        )
+        text = f"CPU pacing {'on' if self.paced else 'off'} ({self.reason}"
         if self.figures:
             rates = ", ".join(
                 f"{shape} {statistics.median(tps):.1f}" for shape, tps in self.figures
@@ -358,10 +338,8 @@ class Pacing:
 
 
 def choose_pacing(option: str, figures: Mapping[str, Sequence[float]] = {}) -> Pacing:
-    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` by measured
-    speed: steps are paced when that beats unpaced steps, and a grammar mask
-    overlaps the forward pass when paced steps beat waiting ones. A tie keeps the
-    simpler step.
+    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` the faster
+    step shape by median tokens/s; a tie, or no measurement, leaves steps unpaced.
 
     Args:
         option: ``on``, ``off`` or ``auto``.
@@ -369,13 +347,12 @@ def choose_pacing(option: str, figures: Mapping[str, Sequence[float]] = {}) -> P
           ``PACING_STEPS``; empty when nothing was measured.
     """
     if option != "auto":
-        return Pacing(option == "on", option == "on", f"cpu_pacing:{option}")
+        return Pacing(option == "on", f"cpu_pacing:{option}")
     if not all(figures.get(shape) for shape in PACING_STEPS):
-        return Pacing(False, True, "auto, not measured")
+        return Pacing(False, "auto, not measured")
     speed = {shape: statistics.median(figures[shape]) for shape in PACING_STEPS}
     return Pacing(
         speed["paced"] > speed["unpaced"],
-        speed["paced"] > speed["waiting"],
         "auto, measured",
         tuple((shape, tuple(figures[shape])) for shape in PACING_STEPS),
     )

@@ -478,18 +478,18 @@ def measure_pacing(
 
 
 def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
-    """How the model's CPU decode steps wait for the previous token: as
-    ``cpu_pacing`` says, or for ``auto`` as measured on this machine (the better
-    shape differs by CPU)."""
+    """Whether the model's batched CPU decode steps are paced: as ``cpu_pacing``
+    says, or for ``auto`` as measured on this machine (the better mode differs by
+    CPU)."""
     if mx.default_device() != mx.cpu:
-        return Pacing(False, True, "not the CPU")
+        return Pacing(False, "not the CPU")
     if options.cpu_pacing != "auto":
         return choose_pacing(options.cpu_pacing)
     if not alone:
         # Every rank would have to run the measurement's collectives together.
-        return Pacing(False, True, "auto, not measured over a distributed group")
+        return Pacing(False, "auto, not measured over a distributed group")
     if unbatchable_reason(model, options):
-        return Pacing(False, True, "auto, not measured: only batched steps are paced")
+        return Pacing(False, "auto, not measured: only batched steps are paced")
     # A reload of the same weights, KV layout and threads keeps its measurement.
     key = (
         model_signature(model, {}),

@@ -573,10 +573,7 @@ class Engine:
         if request.grammar is not None and not capabilities.grammar:
             raise FailedPrecondition("Grammar: this model's decoder cannot apply one")
         processors, grammar = make_request_processors(
-            request,
-            info.tokenizer.eos_token_ids,
-            info.vocab_size,
-            info.compute_path.grammar_overlap,
+            request, info.tokenizer.eos_token_ids, info.vocab_size
         )
         reply = ReplyPipeline(
             request, info.tokenizer, info.markers, info.token_bytes, grammar
@@ -991,7 +988,6 @@ class Engine:
                     path,
                     description=f"{path.description}; {pacing.describe()}",
                     paced=pacing.paced,
-                    grammar_overlap=pacing.grammar_overlap,
                 ),
             )
             if lockstep is None:

@@ -145,17 +145,14 @@ class GrammarState:
 
 
 def make_grammar_processor(
-    grammar: CompiledGrammar,
-    eos_tokens: Iterable[int],
-    vocab_size: int,
-    overlap: bool = True,
+    grammar: CompiledGrammar, eos_tokens: Iterable[int], vocab_size: int
 ) -> tuple[GrammarState, Callable[[mx.array, mx.array], mx.array]]:
     """A logits processor that allows only what ``grammar`` allows next.
 
-    The matcher takes each sampled token at the next call. With ``overlap`` the
-    model's forward pass is started before the mask is computed, so the two
-    overlap; on some CPUs that split step is slower (cpu_path.Pacing). A finished
-    grammar, or a dead end, leaves only end-of-sequence: the sequence always ends.
+    The matcher takes each sampled token at the next call. The previous token is
+    read as soon as it exists, while the model's forward pass runs, so the mask is
+    computed during the forward pass. A finished grammar, or a dead end, leaves
+    only end-of-sequence: the sequence always ends.
 
     Returns:
         ``(state, processor)``: the engine reads ``state.error`` for each token.
@@ -175,10 +172,12 @@ def make_grammar_processor(
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
         nonlocal started, only_eos
-        if overlap:
-            mx.async_eval(logits)
+        # Queued before the forward pass, the previous token need not wait for it.
+        last = tokens[-1]
+        mx.async_eval(last)
+        mx.async_eval(logits)
         if started and state.error is None and not state.complete:
-            token = tokens[-1].item()
+            token = last.item()
             if not matcher.consume_token(token):
                 state.error = f"token {token} breaks the grammar: {matcher.get_error()}"
             state.consumed += 1

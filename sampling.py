@@ -123,14 +123,10 @@ def see_cached_prompt(processors: list, cached: Sequence[int], context_size: int
 
 
 def make_request_processors(
-    request: GenerationRequest,
-    eos_token_ids,
-    vocab_size: int,
-    grammar_overlap: bool = True,
+    request: GenerationRequest, eos_token_ids, vocab_size: int
 ) -> tuple[list, GrammarState | None]:
     """The request's logits processors: bias (and banned EOS), penalties, the
-    grammar (its mask computed during the forward pass with ``grammar_overlap``),
-    then its own extra ones; and the grammar's state."""
+    grammar, then its own extra ones; and the grammar's state."""
     sampling = request.sampling
     logit_bias = sampling.logit_bias
     if request.ignore_eos:
@@ -147,7 +143,7 @@ def make_request_processors(
     if request.grammar is not None:
         # After the ban, so a finished grammar's end-of-sequence overrides it.
         grammar, processor = make_grammar_processor(
-            request.grammar, eos_token_ids, vocab_size, grammar_overlap
+            request.grammar, eos_token_ids, vocab_size
         )
         processors.append(processor)
     processors.extend(request.processors)

@@ -540,37 +540,19 @@ def test_threads_cap_the_blas():
 
 
 def test_pacing_is_decided_by_the_faster_figures_unless_the_option_says():
-    def measured(paced, unpaced, waiting):
-        return choose_pacing(
-            "auto", {"paced": paced, "unpaced": unpaced, "waiting": waiting}
-        )
-
     slow, fast = [30.0, 31.0, 29.0], [40.0, 38.0]
-    pacing = measured(slow, fast, fast)
-    assert (pacing.paced, pacing.grammar_overlap) == (False, False)
+    pacing = choose_pacing("auto", {"paced": slow, "unpaced": fast})
+    assert not pacing.paced
     assert pacing.describe() == (
-        "CPU pacing off, grammar overlap off "
-        "(auto, measured: tok/s paced 30.0, unpaced 39.0, waiting 39.0)"
+        "CPU pacing off (auto, measured: tok/s paced 30.0, unpaced 39.0)"
     )
-    pacing = measured(fast, slow, slow)
-    assert (pacing.paced, pacing.grammar_overlap) == (True, True)
-    # Paced steps may beat waiting ones (a grammar's) but not unpaced ones.
-    pacing = measured([35.0], [40.0], [30.0])
-    assert (pacing.paced, pacing.grammar_overlap) == (False, True)
-    pacing = measured([40.0], [40.0], [40.0])  # a tie keeps the simpler step
-    assert (pacing.paced, pacing.grammar_overlap) == (False, False)
-    assert choose_pacing("auto") == choose_pacing("auto", {"paced": slow})
-    assert choose_pacing("auto").describe() == (
-        "CPU pacing off, grammar overlap on (auto, not measured)"
-    )
-    on, off = choose_pacing("on"), choose_pacing("off")
-    assert (on.paced, on.grammar_overlap, off.paced, off.grammar_overlap) == (
-        True,
-        True,
-        False,
-        False,
-    )
-    assert on.describe() == "CPU pacing on, grammar overlap on (cpu_pacing:on)"
+    assert choose_pacing("auto", {"paced": fast, "unpaced": slow}).paced
+    # A tie keeps the simpler step.
+    assert not choose_pacing("auto", {"paced": [40.0], "unpaced": [40.0]}).paced
+    assert choose_pacing("auto") == choose_pacing("auto", {"paced": fast})
+    assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
+    assert choose_pacing("on").describe() == "CPU pacing on (cpu_pacing:on)"
+    assert not choose_pacing("off").paced
 
 
 def test_pacing_keeps_the_greedy_tokens(engine):
@@ -611,7 +593,6 @@ def test_pacing_is_chosen_at_load_and_reported():
 
     engine = load_engine("cpu_pacing:off")
     try:
-        assert stats_after(engine)["grammar_overlap"] == int(not on_cpu)
         unpaced = person(engine)
         check_person(unpaced)
     finally:
@@ -620,9 +601,7 @@ def test_pacing_is_chosen_at_load_and_reported():
     try:
         assert person(engine) == unpaced
         path = engine.info.compute_path
-        expected = "CPU pacing on, grammar overlap on (cpu_pacing:on)"
-        if not on_cpu:
-            expected = "(not the CPU)"
+        expected = "CPU pacing on (cpu_pacing:on)" if on_cpu else "(not the CPU)"
         assert expected in path.description
         assert stats_after(engine)["cpu_paced"] == int(on_cpu)
         (events,) = run(engine, generation(engine, max_tokens=40))
@@ -631,13 +610,11 @@ def test_pacing_is_chosen_at_load_and_reported():
         path = engine.info.compute_path
         if on_cpu:
             assert re.search(
-                r"CPU pacing (on|off), grammar overlap (on|off) \(auto, measured: "
-                r"tok/s paced [\d.]+, unpaced [\d.]+, waiting [\d.]+\)",
+                r"CPU pacing (on|off) \(auto, measured: "
+                r"tok/s paced [\d.]+, unpaced [\d.]+\)",
                 path.description,
             ), path.description
-        stats = stats_after(engine)
-        assert stats["cpu_paced"] == int(path.paced)
-        assert stats["grammar_overlap"] == int(path.grammar_overlap)
+        assert stats_after(engine)["cpu_paced"] == int(path.paced)
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
     finally:
