@@ -3,8 +3,11 @@
 
 1. Server overhead: gRPC PredictStream against mlx-lm's own stream_generate on
    the same compute path, greedy, with EOS banned so every run decodes the same
-   number of tokens; the same stream with logprobs (top 5 alternatives) and under
-   a JSON-schema grammar; plus Health latency while a long generation streams.
+   number of tokens, on servers with CPU pacing auto, on and off; with logprobs
+   (top 5 alternatives) and under a JSON-schema grammar; Health latency while a
+   long generation streams; and where each millisecond per token goes
+   (bench_profile.py). The header names the CPU, its cores, the BLAS and the
+   pacing auto chose.
 2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels), float32
    weights on OpenBLAS, and the fast path that ``auto`` picks (MKL on x86_64):
    prefill on a 1000-token prompt, decode, and peak memory.
@@ -32,12 +35,13 @@ import argparse
 import json
 import logging
 import os
+import platform
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 from mlx_lm import stream_generate
@@ -48,6 +52,7 @@ from bench_batching import bench_batching, percentile
 from bench_distributed import bench_distributed
 from bench_memory import bench_memory
 from bench_prefix import bench_prefix
+from bench_profile import profile_decode
 from bench_speculative import bench_speculative
 from conftest import Server
 from cpu_path import (
@@ -55,6 +60,7 @@ from cpu_path import (
     fast_blas_in_use,
     find_fast_blas,
     maybe_reexec_with_fast_blas,
+    physical_cores,
     prepare_for_cpu,
 )
 from gguf_loader import export_mlx_folder, load_gguf
@@ -81,18 +87,25 @@ STORY_SCHEMA = json.dumps(
 
 
 @contextmanager
-def running_server(env: dict | None = None, options: tuple[str, ...] = ()):
+def running_process(env: dict | None = None, options: tuple[str, ...] = ()):
     """A backend process with the default model loaded (reloaded with LoadModel
-    ``options`` when given); yields its stub."""
+    ``options`` when given); yields its ``Server``."""
     server = Server("--model", "default", env=env)
     try:
         server.wait_for_log("startup model", timeout=180)
         if options:
             request = pb.ModelOptions(Model="default", Options=list(options))
             assert server.stub.LoadModel(request).success
-        yield server.stub
+        yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def running_server(env: dict | None = None, options: tuple[str, ...] = ()):
+    """``running_process``'s stub."""
+    with running_process(env, options) as server:
+        yield server.stub
 
 
 def chat_request(tokens: int, **fields) -> pb.PredictOptions:
@@ -190,54 +203,109 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def bench_overhead(stub, rounds: int, tokens: int) -> tuple[dict, list[str]]:
+def paired_ratio(runs: dict, side: str, base: str) -> float:
+    """The median over rounds of ``side``'s decode tok/s over ``base``'s in the same
+    round: noise that hits a round hits both sides."""
+    return statistics.median(
+        a["decode_tps"] / b["decode_tps"] for a, b in zip(runs[side], runs[base])
+    )
+
+
+def cpu_header(breakdown) -> str:
+    """The machine and compute path, so runs on different machines compare."""
+    model = platform.processor() or platform.machine()
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    blas = fast_blas_in_use(os.environ) or "MLX's bundled BLAS"
+    return (
+        f"CPU {model}, {physical_cores()} physical cores ({os.cpu_count()} logical), "
+        f"BLAS {Path(blas).name} with {breakdown['blas_threads']} threads; "
+        f"auto chose pacing {'on' if breakdown['cpu_paced'] else 'off'}"
+    )
+
+
+def bench_overhead(
+    stubs: dict, rounds: int, tokens: int, server_pid: int
+) -> tuple[dict, list[str]]:
+    """Part 1 on servers loaded with cpu_pacing auto, on and off (``stubs``)."""
     model, tokenizer, _ = load_gguf(default_model_path())
     model, path = prepare_for_cpu(model, None, None)
     eos = next(iter(tokenizer.eos_token_ids))
-    server_decode(stub, 16, eos)  # warm both sides once
+    auto = stubs["auto"]
+    for stub in stubs.values():  # warm every side once
+        server_decode(stub, 16, eos)
     library_decode(model, tokenizer, 16, eos)
-    runs = {"grpc": [], "mlx_lm": [], "logprobs": [], "grammar": []}
+    runs = {"mlx_lm": [], "logprobs": []}
+    runs |= {name: [] for name in stubs}
+    runs |= {f"{name} grammar": [] for name in stubs}
     for i in range(rounds):
         logger.info("overhead round %d/%d", i + 1, rounds)
-        runs["grpc"].append(server_decode(stub, tokens, eos))
         runs["mlx_lm"].append(library_decode(model, tokenizer, tokens, eos))
+        for name, stub in stubs.items():
+            runs[name].append(server_decode(stub, tokens, eos))
         runs["logprobs"].append(
             server_decode(
-                stub, tokens, eos, Logprobs=TOP_LOGPROBS, TopLogprobs=TOP_LOGPROBS
+                auto, tokens, eos, Logprobs=TOP_LOGPROBS, TopLogprobs=TOP_LOGPROBS
             )
         )
-        runs["grammar"].append(server_decode(stub, tokens, eos, Grammar=STORY_SCHEMA))
-    health = health_latency(stub, tokens)
-    grpc_tps, lib_tps, logprobs_tps, grammar_tps = (
-        median_of(runs[k], "decode_tps")
-        for k in ("grpc", "mlx_lm", "logprobs", "grammar")
+        for name, stub in stubs.items():
+            runs[f"{name} grammar"].append(
+                server_decode(stub, tokens, eos, Grammar=STORY_SCHEMA)
+            )
+    health = health_latency(auto, tokens)
+    profile, profile_lines = profile_decode(
+        server_pid, lambda n: server_decode(auto, n, eos), 2 * tokens
     )
-    ratio = grpc_tps / lib_tps
+    breakdown = auto.Status(pb.HealthMessage()).memory.breakdown
+    chosen = "on" if breakdown["cpu_paced"] else "off"
+    labels = {
+        "mlx_lm": "mlx-lm stream_generate",
+        "auto": f"gRPC, pacing auto ({chosen})",
+        "on": "gRPC, pacing on",
+        "off": "gRPC, pacing off",
+        "logprobs": f"  auto + logprobs, top {TOP_LOGPROBS}",
+        "auto grammar": "  auto + JSON-schema grammar",
+        "on grammar": "  on + JSON-schema grammar",
+        "off grammar": "  off + JSON-schema grammar",
+    }
+    ratios = {name: paired_ratio(runs, name, "mlx_lm") for name in labels}
+    grammar = {name: paired_ratio(runs, f"{name} grammar", name) for name in stubs}
     lines = [
-        f"1. server overhead: decode {tokens} tokens, median of {rounds} alternating "
-        f"rounds ({path.description})",
-        f"{'path':<28}{'decode tok/s':>14}{'TTFT s':>10}",
-        f"{'mlx-lm stream_generate':<28}{lib_tps:>14.2f}"
-        f"{median_of(runs['mlx_lm'], 'ttft_s'):>10.3f}",
-        f"{'gRPC PredictStream':<28}{grpc_tps:>14.2f}"
-        f"{median_of(runs['grpc'], 'ttft_s'):>10.3f}",
-        f"{f'  + logprobs, top {TOP_LOGPROBS}':<28}{logprobs_tps:>14.2f}"
-        f"{median_of(runs['logprobs'], 'ttft_s'):>10.3f}",
-        f"{'  + JSON-schema grammar':<28}{grammar_tps:>14.2f}"
-        f"{median_of(runs['grammar'], 'ttft_s'):>10.3f}",
-        f"gRPC / mlx-lm decode ratio: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)",
-        f"logprobs / plain gRPC decode ratio: {logprobs_tps / grpc_tps:.3f}",
-        f"grammar / plain gRPC decode ratio: {grammar_tps / grpc_tps:.3f}",
+        f"1. server overhead: decode {tokens} tokens, {rounds} alternating rounds "
+        f"({path.description})",
+        cpu_header(breakdown),
+        f"{'path':<30}{'decode tok/s':>14}{'/ mlx-lm':>10}{'TTFT s':>9}",
+    ]
+    for name, label in labels.items():
+        lines.append(
+            f"{label:<30}{median_of(runs[name], 'decode_tps'):>14.2f}"
+            f"{ratios[name]:>10.3f}{median_of(runs[name], 'ttft_s'):>9.3f}"
+        )
+    better = max(ratios["on"], ratios["off"])
+    lines += [
+        "ratios: the median over rounds of each round's ratio",
+        f"auto / mlx-lm: plain {ratios['auto']:.3f}, with logprobs "
+        f"{ratios['logprobs']:.3f} (goal >= 0.97)",
+        f"auto / the better of on and off: {ratios['auto'] / better:.3f} "
+        "(goal >= 0.97)",
+        "grammar / plain gRPC decode: "
+        + ", ".join(f"{name} {grammar[name]:.3f}" for name in stubs)
+        + " (goal for auto >= 0.95)",
         f"Health during generation: p50 {health['p50_ms']:.2f} ms, "
         f"p95 {health['p95_ms']:.2f} ms, max {health['max_ms']:.2f} ms "
         f"over {health['samples']} calls",
+        *profile_lines,
     ]
     report = {
         "runs": runs,
-        "grpc_over_mlx_lm": ratio,
-        "logprobs_over_plain": logprobs_tps / grpc_tps,
-        "grammar_over_plain": grammar_tps / grpc_tps,
+        "over_mlx_lm": ratios,
+        "grammar_over_plain": grammar,
+        "auto_chose_pacing": bool(breakdown["cpu_paced"]),
         "health": health,
+        "profile_ms_per_token": profile,
     }
     return report, lines
 
@@ -364,7 +432,7 @@ def bench_prompt_cache(stub, rounds: int) -> tuple[dict, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per decode")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cpu-rounds", type=int, default=2)
     parser.add_argument("--skip-cpu", action="store_true", help="skip part 2")
     parser.add_argument("--cache-rounds", type=int, default=3)
@@ -391,9 +459,19 @@ def main(argv: list[str] | None = None) -> None:
 
     report, lines = {}, []
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
-        fast = stack.enter_context(running_server())
+        process = stack.enter_context(running_process())
+        fast = process.stub
         if not args.only_batching:
-            report["overhead"], part = bench_overhead(fast, args.rounds, args.tokens)
+            # Servers pinned to each pacing mode, for part 1 only.
+            with ExitStack() as pinned:
+                stubs = {"auto": fast}
+                for mode in ("on", "off"):
+                    stubs[mode] = pinned.enter_context(
+                        running_server(options=(f"cpu_pacing:{mode}",))
+                    )
+                report["overhead"], part = bench_overhead(
+                    stubs, args.rounds, args.tokens, process.process.pid
+                )
             lines += part
         if not (args.skip_cpu or args.only_batching) and sys.platform == "linux":
             # The stock path, OpenBLAS where "auto" picked MKL, and the fast path.
