@@ -337,7 +337,9 @@ class Pacing:
         return text + ")"
 
 
-def choose_pacing(option: str, figures: Mapping[str, Sequence[float]] = {}) -> Pacing:
+def choose_pacing(
+    option: str, figures: Mapping[str, Sequence[float]] | None = None
+) -> Pacing:
     """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` the faster
     step shape by median tokens/s; a tie, or no measurement, leaves steps unpaced.
 
@@ -348,6 +350,7 @@ def choose_pacing(option: str, figures: Mapping[str, Sequence[float]] = {}) -> P
     """
     if option != "auto":
         return Pacing(option == "on", f"cpu_pacing:{option}")
+    figures = figures or {}
     if not all(figures.get(shape) for shape in PACING_STEPS):
         return Pacing(False, "auto, not measured")
     speed = {shape: statistics.median(figures[shape]) for shape in PACING_STEPS}

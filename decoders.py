@@ -438,6 +438,7 @@ def measure_pacing(
     One decode serves every shape: a switch takes effect at the next step, and the
     first token of each segment is not timed.
     """
+    # Rebound by the loop below; each step reads the current shape.
     shape = "unpaced"
 
     def switchable(tokens: mx.array, logits: mx.array) -> mx.array:
