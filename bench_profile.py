@@ -24,7 +24,8 @@ SAMPLE_RATE = 250
 ENGINE_STAGES = (
     (("speculative.py",), "speculative decoding (propose, verify)"),
     (("reply_pipeline.py", "detokenizer.py", "chat_output.py"), "detokenize, classify"),
-    (("sampling.py", "sample_utils.py", "grammar.py", "cpu_path.py"), "sampling"),
+    (("pace_step",), "step evaluation (MLX encode, wait)"),
+    (("sampling.py", "sample_utils.py", "grammar.py"), "sampling"),
     (("mlx_lm/models/",), "forward pass: graph building"),
     (("GenerationBatch", "BatchGenerator"), "step evaluation (MLX encode, wait)"),
     (("_Outbox", "call_soon_threadsafe"), "hand-off to the event loop"),

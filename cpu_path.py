@@ -7,7 +7,7 @@ import logging
 import os
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,8 +312,9 @@ def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
     return logits
 
 
-# The step shapes pacing is measured with, as logits processors.
-PACING_STEPS = {"paced": pace_step, "unpaced": None}
+# Pacing must beat unpaced steps by this share in every measured round: they are
+# mlx-lm's own steps, and a shared machine's noise must not switch them off.
+PACING_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -324,41 +325,36 @@ class Pacing:
     paced: bool
     # What decided: the option, a measurement, or why there was none.
     reason: str
-    # One stream's tokens/s per measured segment, by step shape (PACING_STEPS).
-    figures: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # One stream's tokens/s in each measured round: (paced, unpaced).
+    rounds: tuple[tuple[float, float], ...] = ()
 
     def describe(self) -> str:
         text = f"CPU pacing {'on' if self.paced else 'off'} ({self.reason}"
-        if self.figures:
-            rates = ", ".join(
-                f"{shape} {statistics.median(tps):.1f}" for shape, tps in self.figures
+        if self.rounds:
+            paced, unpaced = (statistics.median(r) for r in zip(*self.rounds))
+            ratios = ", ".join(f"{p / u:.2f}" for p, u in self.rounds)
+            text += (
+                f": tok/s paced {paced:.1f}, unpaced {unpaced:.1f}; "
+                f"paced/unpaced by round {ratios}"
             )
-            text += f": tok/s {rates}"
         return text + ")"
 
 
-def choose_pacing(
-    option: str, figures: Mapping[str, Sequence[float]] | None = None
-) -> Pacing:
-    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` the faster
-    step shape by median tokens/s; a tie, or no measurement, leaves steps unpaced.
+def choose_pacing(option: str, rounds: Sequence[tuple[float, float]] = ()) -> Pacing:
+    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` as measured:
+    paced only when paced steps beat unpaced ones by ``PACING_MARGIN`` in every
+    round; unpaced when nothing was measured.
 
     Args:
         option: ``on``, ``off`` or ``auto``.
-        figures: One stream's tokens/s per measured segment for each shape of
-          ``PACING_STEPS``; empty when nothing was measured.
+        rounds: One stream's tokens/s per measured round, (paced, unpaced).
     """
     if option != "auto":
         return Pacing(option == "on", f"cpu_pacing:{option}")
-    figures = figures or {}
-    if not all(figures.get(shape) for shape in PACING_STEPS):
+    if not rounds:
         return Pacing(False, "auto, not measured")
-    speed = {shape: statistics.median(figures[shape]) for shape in PACING_STEPS}
-    return Pacing(
-        speed["paced"] > speed["unpaced"],
-        "auto, measured",
-        tuple((shape, tuple(figures[shape])) for shape in PACING_STEPS),
-    )
+    paced = all(p > u * (1 + PACING_MARGIN) for p, u in rounds)
+    return Pacing(paced, "auto, measured", tuple(rounds))
 
 
 if __name__ == "__main__":

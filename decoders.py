@@ -9,6 +9,7 @@ decoder runs; a new generation path is one new ``Decoder`` class.
 
 import copy
 import logging
+import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -20,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from cpu_path import PACING_STEPS, Pacing, blas_threads, choose_pacing, pace_step
+from cpu_path import Pacing, blas_threads, choose_pacing, pace_step
 from mlx_utils import (
     Scored,
     gather_logprobs,
@@ -418,32 +419,31 @@ def make_plain_decoder(
     return BatchDecoder(model, options, trimmable, pace)
 
 
-# Pacing is measured over one greedy decode in segments of this many tokens, in
-# rounds that visit each step shape twice in mirrored order, until a round ends
-# past the budget.
-PACING_SEGMENT = 8
+# Pacing is measured over one greedy decode in rounds of four segments of this
+# many tokens (paced, unpaced, unpaced, paced), until a round ends past the budget.
+PACING_SEGMENT = 6
 PACING_WARMUP = 4
-PACING_MAX_ROUNDS = 2
-PACING_BUDGET_S = 0.5
-_PACING_ORDER = (*PACING_STEPS, *reversed(PACING_STEPS))
+PACING_MIN_ROUNDS = 2
+PACING_MAX_ROUNDS = 4
+PACING_BUDGET_S = 1.6
+_PACING_ORDER = (True, False, False, True)
 _measured: dict[tuple, Pacing] = {}
 
 
 def measure_pacing(
     model: nn.Module, options: LoadOptions, budget_s: float = PACING_BUDGET_S
-) -> dict[str, list[float]]:
-    """One stream's tokens/s with each step shape of ``PACING_STEPS``, a figure
-    per segment.
+) -> list[tuple[float, float]]:
+    """One stream's tokens/s with paced and unpaced steps, (paced, unpaced) per
+    round, each the mean of its two segments.
 
-    One decode serves every shape: a switch takes effect at the next step, and the
-    first token of each segment is not timed.
+    One decode serves both: a switch takes effect at the next step, and the first
+    token of each segment is not timed.
     """
-    # Rebound by the loop below; each step reads the current shape.
-    shape = "unpaced"
+    # Rebound by the loop below; each step reads it.
+    paced = False
 
     def switchable(tokens: mx.array, logits: mx.array) -> mx.array:
-        step = PACING_STEPS[shape]
-        return logits if step is None else step(tokens, logits)
+        return pace_step(tokens, logits) if paced else logits
 
     tokens = PACING_WARMUP + PACING_MAX_ROUNDS * len(_PACING_ORDER) * PACING_SEGMENT
     batch = BatchGenerator(
@@ -464,18 +464,25 @@ def measure_pacing(
                 arrivals.append(time.perf_counter())
         return (count - 1) / (arrivals[-1] - arrivals[0])
 
-    figures: dict[str, list[float]] = {name: [] for name in PACING_STEPS}
+    rounds = []
     try:
         decode(PACING_WARMUP)
         start = time.perf_counter()
-        for _ in range(PACING_MAX_ROUNDS):
-            for shape in _PACING_ORDER:
-                figures[shape].append(decode(PACING_SEGMENT))
-            if time.perf_counter() - start > budget_s:
+        while len(rounds) < PACING_MAX_ROUNDS:
+            figures: dict[bool, list[float]] = {True: [], False: []}
+            for paced in _PACING_ORDER:
+                figures[paced].append(decode(PACING_SEGMENT))
+            rounds.append(
+                (statistics.mean(figures[True]), statistics.mean(figures[False]))
+            )
+            if (
+                len(rounds) >= PACING_MIN_ROUNDS
+                and time.perf_counter() - start > budget_s
+            ):
                 break
     finally:
         batch.close()
-    return figures
+    return rounds
 
 
 def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
@@ -506,12 +513,6 @@ def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
         pacing = choose_pacing("auto", measure_pacing(model, options))
     _measured[key] = pacing
     logger.info(
-        "%s; measured in %.2f s (tok/s per segment: %s)",
-        pacing.describe(),
-        time.perf_counter() - start,
-        "; ".join(
-            f"{shape} {', '.join(f'{t:.1f}' for t in tps)}"
-            for shape, tps in pacing.figures
-        ),
+        "%s; measured in %.2f s", pacing.describe(), time.perf_counter() - start
     )
     return pacing

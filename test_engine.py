@@ -539,20 +539,22 @@ def test_threads_cap_the_blas():
         engine.shutdown()
 
 
-def test_pacing_is_decided_by_the_faster_figures_unless_the_option_says():
-    slow, fast = [30.0, 31.0, 29.0], [40.0, 38.0]
-    pacing = choose_pacing("auto", {"paced": slow, "unpaced": fast})
+def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
+    # (paced, unpaced) tok/s per round: pacing must win every round by 2%.
+    slower = [(30.0, 39.0), (31.0, 38.0), (29.0, 40.0)]
+    pacing = choose_pacing("auto", slower)
     assert not pacing.paced
     assert pacing.describe() == (
-        "CPU pacing off (auto, measured: tok/s paced 30.0, unpaced 39.0)"
+        "CPU pacing off (auto, measured: tok/s paced 30.0, unpaced 39.0; "
+        "paced/unpaced by round 0.77, 0.82, 0.72)"
     )
-    assert choose_pacing("auto", {"paced": fast, "unpaced": slow}).paced
-    # A tie keeps the simpler step.
-    assert not choose_pacing("auto", {"paced": [40.0], "unpaced": [40.0]}).paced
-    assert choose_pacing("auto") == choose_pacing("auto", {"paced": fast})
+    assert choose_pacing("auto", [(40.0, 33.0), (41.0, 34.0)]).paced
+    # One round of noise, or a win under the margin, keeps mlx-lm's own step.
+    assert not choose_pacing("auto", [(40.0, 33.0), (33.0, 40.0)]).paced
+    assert not choose_pacing("auto", [(40.5, 40.0), (40.5, 40.0)]).paced
     assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
-    assert choose_pacing("on").describe() == "CPU pacing on (cpu_pacing:on)"
-    assert not choose_pacing("off").paced
+    assert choose_pacing("on", slower).describe() == "CPU pacing on (cpu_pacing:on)"
+    assert not choose_pacing("off", [(40.0, 33.0)]).paced
 
 
 def test_pacing_keeps_the_greedy_tokens(engine):
@@ -610,8 +612,8 @@ def test_pacing_is_chosen_at_load_and_reported():
         path = engine.info.compute_path
         if on_cpu:
             assert re.search(
-                r"CPU pacing (on|off) \(auto, measured: "
-                r"tok/s paced [\d.]+, unpaced [\d.]+\)",
+                r"CPU pacing (on|off) \(auto, measured: tok/s paced [\d.]+, "
+                r"unpaced [\d.]+; paced/unpaced by round [\d.]+(, [\d.]+)+\)",
                 path.description,
             ), path.description
         assert stats_after(engine)["cpu_paced"] == int(path.paced)
