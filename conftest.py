@@ -30,7 +30,7 @@ import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import BackendServicer, main
 from chat_output import merge_deltas
-from cpu_path import blas_choice_environment, fast_blas_in_use
+from cpu_path import CPU_PACING_ENV, blas_choice_environment, fast_blas_in_use
 from engine import Engine
 from gguf_loader import save_tokenizer
 from model_loading import ModelInfo, default_model_path
@@ -48,6 +48,10 @@ STARTUP_TIMEOUT = 120.0
 # The default model by path, so it has a name for ModelIdentity checks.
 MODEL = str(default_model_path())
 AUTH = (("authorization", "Bearer s3cret"),)
+
+# Engines and backends here don't spend ~2 s measuring pacing at every load: the
+# host setting pins it (greedy tokens are the same either way). Pacing tests ask for auto.
+os.environ.setdefault(CPU_PACING_ENV, "off")
 
 
 def backend_environment() -> dict:

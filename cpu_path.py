@@ -15,11 +15,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import dequantize_model, get_total_parameters
 
-from python_utils import switched_off
+from errors import FailedPrecondition
+from python_utils import CPU_PACING_MODES, switched_off
 
 logger = logging.getLogger(__name__)
 
 FAST_BLAS_ENV = "MLX_BACKEND_FAST_BLAS"
+# The host's pacing for models whose cpu_pacing is auto: pacing suits a CPU, not a model.
+CPU_PACING_ENV = "MLX_BACKEND_CPU_PACING"
 # Fast BLAS libraries by family, in order of preference. MKL's sgemm is about twice
 # OpenBLAS 0.3.21's for the one-row products of decoding (measured on x86_64).
 FAST_BLAS_CANDIDATES = {
@@ -338,6 +341,20 @@ class Pacing:
                 f"paced/unpaced by round {ratios}"
             )
         return text + ")"
+
+
+def pacing_setting(option: str, environ) -> tuple[str, str]:
+    """The pacing mode and what set it: the option when it says on or off, else
+    the host's ``MLX_BACKEND_CPU_PACING``, else ``auto``."""
+    if option != "auto":
+        return option, f"cpu_pacing:{option}"
+    host = environ.get(CPU_PACING_ENV, "").strip().lower() or "auto"
+    if host not in CPU_PACING_MODES:
+        raise FailedPrecondition(
+            f"{CPU_PACING_ENV} must be one of {', '.join(CPU_PACING_MODES)}, "
+            f"not {host!r}"
+        )
+    return host, "auto" if host == "auto" else f"{CPU_PACING_ENV}={host}"
 
 
 def choose_pacing(option: str, rounds: Sequence[tuple[float, float]] = ()) -> Pacing:

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from cpu_path import Pacing, blas_threads, choose_pacing, pace_step
+from cpu_path import Pacing, blas_threads, choose_pacing, pace_step, pacing_setting
 from mlx_utils import (
     Scored,
     gather_logprobs,
@@ -485,14 +485,15 @@ def measure_pacing(
     return rounds
 
 
-def make_pacing(model: nn.Module, options: LoadOptions, alone: bool) -> Pacing:
+def make_pacing(model: nn.Module, options: LoadOptions, alone: bool, environ) -> Pacing:
     """Whether the model's batched CPU decode steps are paced: as ``cpu_pacing``
-    says, or for ``auto`` as measured on this machine (the better mode differs by
-    CPU)."""
+    or the host's ``MLX_BACKEND_CPU_PACING`` says, or for ``auto`` as measured on
+    this machine (the better mode differs by CPU)."""
     if mx.default_device() != mx.cpu:
         return Pacing(False, "not the CPU")
-    if options.cpu_pacing != "auto":
-        return choose_pacing(options.cpu_pacing)
+    mode, source = pacing_setting(options.cpu_pacing, environ)
+    if mode != "auto":
+        return Pacing(mode == "on", source)
     if not alone:
         # Every rank would have to run the measurement's collectives together.
         return Pacing(False, "auto, not measured over a distributed group")

@@ -791,7 +791,7 @@ class Follower:
             loaded, info = prepare_model(
                 loaded, "", op.options, op.context_size, op.generation, sharding
             )
-            pacing = make_pacing(loaded.model, info.options, alone=False)
+            pacing = make_pacing(loaded.model, info.options, False, os.environ)
             decoder = make_plain_decoder(loaded.model, info.options, pacing.paced)
             cache = make_group_prompt_cache(
                 self._lockstep,

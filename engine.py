@@ -980,7 +980,9 @@ class Engine:
             loaded, info = prepare_model(
                 loaded, identity, options, context_size, generation, sharding, adapters
             )
-            pacing = make_pacing(loaded.model, info.options, alone=lockstep is None)
+            pacing = make_pacing(
+                loaded.model, info.options, lockstep is None, os.environ
+            )
             path = info.compute_path
             info = dataclasses.replace(
                 info,

@@ -32,7 +32,14 @@ from conftest import (
     text_of,
     wait_idle,
 )
-from cpu_path import blas_threads, choose_blas_threads, choose_pacing, physical_cores
+from cpu_path import (
+    CPU_PACING_ENV,
+    blas_threads,
+    choose_blas_threads,
+    choose_pacing,
+    pacing_setting,
+    physical_cores,
+)
 from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
 from engine import Engine, common_length
 from errors import Aborted, FailedPrecondition
@@ -580,7 +587,20 @@ def test_pacing_keeps_the_greedy_tokens(engine):
     assert unpaced[0][0][0] == unpaced[1][0][0]  # alone as in the batch
 
 
-def test_pacing_is_chosen_at_load_and_reported():
+def test_the_host_sets_pacing_unless_the_option_says():
+    assert pacing_setting("auto", {}) == ("auto", "auto")
+    assert pacing_setting("auto", {CPU_PACING_ENV: " Auto "}) == ("auto", "auto")
+    host = {CPU_PACING_ENV: "on"}
+    assert pacing_setting("auto", host) == ("on", "MLX_BACKEND_CPU_PACING=on")
+    assert pacing_setting("off", host) == ("off", "cpu_pacing:off")
+    with pytest.raises(FailedPrecondition) as error:
+        pacing_setting("auto", {CPU_PACING_ENV: "fast"})
+    assert str(error.value) == (
+        "MLX_BACKEND_CPU_PACING must be one of auto, on, off, not 'fast'"
+    )
+
+
+def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
     """``cpu_pacing`` sets it; ``auto`` measures it on the CPU. The load message
     and Status say which, and replies are the same, under a grammar too."""
     on_cpu = mx.default_device() == mx.cpu
@@ -608,6 +628,7 @@ def test_pacing_is_chosen_at_load_and_reported():
         assert stats_after(engine)["cpu_paced"] == int(on_cpu)
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
+        monkeypatch.setenv(CPU_PACING_ENV, "auto")
         engine.load("", parse_options([]), 0, identity="default").result()
         path = engine.info.compute_path
         if on_cpu:
