@@ -19,7 +19,7 @@ endif
 
 STUBS := backend_pb2.py backend_pb2_grpc.py
 
-.PHONY: install run test bench protogen clean fast-blas soak
+.PHONY: install run test bench protogen clean fast-blas soak e2e-localai
 
 install: $(VENV)/.installed $(STUBS) fast-blas
 
@@ -62,7 +62,13 @@ run: install
 # re-exec preloads (cpu_path.py prints that environment; nothing off Linux CPU).
 # Two workers, a file each: most of the time is spent waiting on backend processes.
 test: install $(VENV)/.test-installed
-	env $$($(PY) cpu_path.py) $(PY) -m pytest -v -n 2 --dist loadfile test_python_utils.py test_units.py test_gguf_loader.py test_mlx_cache.py test_quantized_kv.py test_lora.py test_prompt_cache_files.py test_detokenizer.py test_engine.py test_speculative.py test_distributed.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py
+	env $$($(PY) cpu_path.py) $(PY) -m pytest -v -n 2 --dist loadfile test_python_utils.py test_units.py test_gguf_loader.py test_mlx_cache.py test_quantized_kv.py test_lora.py test_prompt_cache_files.py test_detokenizer.py test_engine.py test_speculative.py test_distributed.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py test_localai_suite.py
+
+# LocalAI's backend e2e specs (tests/e2e-backends), as LocalAI runs them, against the run.sh
+# and model its variables name: BACKEND_BINARY, BACKEND_TEST_MODEL_FILE, BACKEND_TEST_CAPS,
+# BACKEND_TEST_OPTIONS (default: this run.sh and the embedded GGUF as model.bin).
+e2e-localai: install $(VENV)/.test-installed
+	$(PY) -m pytest -v test_localai_suite.py
 
 # Mixed concurrent load against a real backend for SOAK_MINUTES: errors, latency, RSS.
 soak: install $(VENV)/.test-installed

@@ -7,12 +7,15 @@ holds back text that may still turn out to be a marker or a stop string, so
 half a marker never reaches ``content``.
 """
 
+import dataclasses
+import importlib
 import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from mlx_lm import tool_parsers
 from mlx_lm.generate import TextStateMachine
 
 logger = logging.getLogger(__name__)
@@ -65,17 +68,32 @@ class OutputMarkers:
     structural: tuple[str, ...] = ()
 
 
-def make_output_markers(tokenizer) -> OutputMarkers:
-    """The markers mlx-lm's ``TokenizerWrapper`` detected for this model."""
-    calling = tokenizer.has_tool_calling
-    return OutputMarkers(
+def make_output_markers(tokenizer, tool_parser: str = "") -> OutputMarkers:
+    """The markers mlx-lm's ``TokenizerWrapper`` detected for this model, with
+    ``tool_parser`` (a module of mlx-lm's ``tool_parsers``, checked by
+    ``parse_options``) in place of the tool-call markup it inferred."""
+    markers = OutputMarkers(
         think_start=tokenizer.think_start,
         think_end=tokenizer.think_end,
-        tool_call_start=tokenizer.tool_call_start if calling else None,
-        tool_call_end=tokenizer.tool_call_end if calling else None,
-        tool_parser=tokenizer.tool_parser if calling else None,
-        tool_format=tokenizer.init_kwargs.get("tool_parser_type") if calling else None,
         structural=tuple(tokenizer.structural_markers),
+    )
+    if tool_parser:
+        module = importlib.import_module(f"{tool_parsers.__name__}.{tool_parser}")
+        return dataclasses.replace(
+            markers,
+            tool_call_start=module.tool_call_start,
+            tool_call_end=module.tool_call_end,
+            tool_parser=module.parse_tool_call,
+            tool_format=tool_parser,
+        )
+    if not tokenizer.has_tool_calling:
+        return markers
+    return dataclasses.replace(
+        markers,
+        tool_call_start=tokenizer.tool_call_start,
+        tool_call_end=tokenizer.tool_call_end,
+        tool_parser=tokenizer.tool_parser,
+        tool_format=tokenizer.init_kwargs.get("tool_parser_type"),
     )
 
 

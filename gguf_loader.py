@@ -329,13 +329,13 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
     """Load a llama-architecture GGUF file.
 
     Args:
-        path: The ``.gguf`` file.
+        path: The GGUF file, whatever its name.
 
     Returns:
         The mlx-lm model, its ``TokenizerWrapper`` and the model config.
     """
     check_gguf(path)
-    weights, metadata = mx.load(str(path), return_metadata=True)
+    weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
     config = make_config(metadata, weights)
     model = make_model(config, weights)
     eos = _scalar(metadata.get("tokenizer.ggml.eos_token_id"))
@@ -370,7 +370,7 @@ def export_mlx_folder(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     check_gguf(path)
-    weights, metadata = mx.load(str(path), return_metadata=True)
+    weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
     config = make_config(metadata, weights)
     if dequantize:
         model = dequantize_model(make_model(config, weights))

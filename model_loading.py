@@ -59,18 +59,48 @@ def default_model_path() -> Path:
     return Path(dist.locate_file(DEFAULT_MODEL_FILE))
 
 
+GGUF_MAGIC = b"GGUF"
+ACCEPTED_MODELS = (
+    "a GGUF file (by its first bytes, whatever its name), a folder with config.json "
+    "(MLX or Hugging Face) or a folder holding one .gguf file"
+)
+
+
 def _load_path(path: Path, trust_remote_code: bool):
+    # Recognized by content: LocalAI's e2e suite downloads models as model.bin.
     if path.is_dir():
-        model, tokenizer, config = load_mlx_folder(
-            str(path),
-            lazy=True,
-            return_config=True,
-            trust_remote_code=trust_remote_code,
+        if (path / "config.json").is_file():
+            model, tokenizer, config = load_mlx_folder(
+                str(path),
+                lazy=True,
+                return_config=True,
+                trust_remote_code=trust_remote_code,
+            )
+            return model, tokenizer, config
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(ggufs) == 1:
+            return load_gguf(ggufs[0])
+        raise ModelLoadError(
+            f"{path} {describe_folder(path)}; accepted: {ACCEPTED_MODELS}"
         )
-        return model, tokenizer, config
-    if path.suffix.lower() == ".gguf":
+    with open(path, "rb") as file:
+        head = file.read(16)
+    if head[:4] == GGUF_MAGIC:
         return load_gguf(path)
-    raise ModelLoadError(f"{path} is neither an MLX model folder nor a .gguf file")
+    raise ModelLoadError(
+        f"{path} is a file of {path.stat().st_size} bytes starting with {head!r}, "
+        f"not a GGUF file; accepted: {ACCEPTED_MODELS}"
+    )
+
+
+def describe_folder(path: Path, shown: int = 8) -> str:
+    """What a folder that is not a model holds, for the load error."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    if not names:
+        return "is an empty folder"
+    listed = ", ".join(names[:shown])
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"is a folder without config.json holding {listed}{more}"
 
 
 def load_model(
@@ -265,7 +295,7 @@ def prepare_model(
         options=options,
         generation=generation,
         compute_path=compute_path,
-        markers=make_output_markers(loaded.tokenizer),
+        markers=make_output_markers(loaded.tokenizer, options.tool_parser),
         token_bytes=token_bytes,
         embeddings=hidden_state_model(loaded.model) is not None,
         grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),

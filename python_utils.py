@@ -4,9 +4,12 @@ import dataclasses
 import json
 import logging
 import math
+import pkgutil
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from mlx_lm import tool_parsers
 
 from errors import InvalidArgument
 
@@ -47,6 +50,9 @@ class LoadOptions:
     max_cache_entries: int = 10
     max_cache_bytes: int | None = None
     enable_thinking: bool | None = None
+    # One of mlx-lm's tool parser modules (or an alias) for a model whose chat
+    # template doesn't name its tool-call markup; "" keeps what mlx-lm infers.
+    tool_parser: str = ""
     trust_remote_code: bool = False
     # BLAS threads (ModelOptions.Threads; 0: the physical cores).
     threads: int = 0
@@ -100,6 +106,8 @@ def parse_bool(text: str) -> bool:
 # String options that are paths, whose case matters.
 _CASE_SENSITIVE = {"hostfile", "prompt_cache_dir"}
 _OPTION_ALIASES = {"temp": "temperature", "penalty": "repetition_penalty"}
+# LocalAI's configs name vLLM's parsers; mlx-lm's json_tools reads Hermes-style calls.
+TOOL_PARSER_ALIASES = {"hermes": "json_tools"}
 
 
 def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
@@ -172,6 +180,15 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         raise InvalidArgument(
             f"Options: cpu_pacing must be one of {', '.join(CPU_PACING_MODES)}"
         )
+    if parsed.tool_parser:
+        name = TOOL_PARSER_ALIASES.get(parsed.tool_parser, parsed.tool_parser)
+        known = sorted(m.name for m in pkgutil.iter_modules(tool_parsers.__path__))
+        if name not in known:
+            raise InvalidArgument(
+                f"Options: tool_parser must be one of {', '.join(known)} "
+                f"or {', '.join(TOOL_PARSER_ALIASES)}, not {parsed.tool_parser!r}"
+            )
+        parsed = dataclasses.replace(parsed, tool_parser=name)
     if parsed.num_draft_tokens > MAX_DRAFT_TOKENS:
         raise InvalidArgument(
             f"Options: num_draft_tokens must be at most {MAX_DRAFT_TOKENS}"

@@ -23,8 +23,10 @@ import backend_pb2 as pb
 from chat_output import Delta, OutputOptions, make_output_markers, merge_deltas
 from conftest import Server, run_concurrently
 from detokenizer import TokenBytes
+from errors import InvalidArgument
 from gguf_loader import export_mlx_folder
 from model_loading import default_model_path
+from python_utils import parse_options
 from reply_pipeline import ReplyPipeline
 from request_parsing import GenerationRequest
 
@@ -207,6 +209,27 @@ def test_markers_come_from_the_tokenizer(folders, tokenizer):
     assert make_output_markers(load_tokenizer(folders["coder"])).tool_format == (
         "qwen3_coder"
     )
+
+
+def test_the_tool_parser_option_replaces_the_inferred_markup(folders):
+    coder = load_tokenizer(folders["coder"])
+    hermes = make_output_markers(
+        coder, parse_options(["tool_parser:hermes"]).tool_parser
+    )
+    assert (hermes.tool_call_start, hermes.tool_call_end, hermes.tool_format) == (
+        "<tool_call>",
+        "</tool_call>",
+        "json_tools",
+    )
+    call = hermes.tool_parser('{"name": "get_weather", "arguments": {"city": "Nice"}}')
+    assert call == {"name": "get_weather", "arguments": {"city": "Nice"}}
+    assert make_output_markers(coder, "pythonic").tool_format == "pythonic"
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^Options: tool_parser must be one of "
+        r".*json_tools, .*pythonic, .* or hermes, not 'vllm'$",
+    ):
+        parse_options(["tool_parser:vllm"])
 
 
 def test_reasoning_content_and_two_tool_calls(tokenizer):

@@ -1,6 +1,7 @@
 """Unit tests for GGUF loading and the MLX helpers, on the real embedded model file."""
 
 import json
+import shutil
 import struct
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from gguf_loader import (
     make_config,
     translate_name,
 )
-from model_loading import default_model_path
+from model_loading import ModelLoadError, default_model_path, load_model
 from sampling import make_seeded_sampler
 
 
@@ -186,3 +187,44 @@ def test_sampler_filters_and_greedy():
     assert greedy(logprobs).item() == 1
     min_p = make_seeded_sampler(1.0, 0.0, 0.4, 0, seed=3)
     assert {min_p(logprobs).item() for _ in range(30)} <= {1, 2}
+
+
+def test_a_gguf_is_recognized_by_content_whatever_its_name(tmp_path, loaded):
+    """LocalAI's e2e suite downloads as model.bin; a folder may hold the file."""
+    bin_file = tmp_path / "model.bin"
+    shutil.copyfile(default_model_path(), bin_file)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "README.txt").write_text("one GGUF beside other files")
+    (folder / "weights.gguf").symlink_to(default_model_path())
+    for path in (bin_file, folder):
+        result = load_model(str(path))
+        assert result.config == loaded[2]
+        assert result.tokenizer.encode("Paris") == loaded[1].encode("Paris")
+
+
+def test_what_is_not_a_model_is_named_in_the_error(tmp_path):
+    text = tmp_path / "model.bin"
+    text.write_text("<html>404 Not Found</html>")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (two / name).symlink_to(default_model_path())
+    (two / "tokenizer").mkdir()
+    accepted = (
+        "accepted: a GGUF file (by its first bytes, whatever its name), a folder "
+        "with config.json (MLX or Hugging Face) or a folder holding one .gguf file"
+    )
+    expected = {
+        text: f"{text} is a file of 26 bytes starting with b'<html>404 Not Fo', "
+        f"not a GGUF file; {accepted}",
+        empty: f"{empty} is an empty folder; {accepted}",
+        two: f"{two} is a folder without config.json holding a.gguf, b.gguf, "
+        f"tokenizer/; {accepted}",
+    }
+    for path, message in expected.items():
+        with pytest.raises(ModelLoadError) as error:
+            load_model(str(path))
+        assert f"({path}: ModelLoadError: {message})" in str(error.value)

@@ -12,7 +12,7 @@ from mlx_lm.models import llama
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import load_adapters
 
-from conftest import TINY_LLAMA, generation, load_engine, run, text_of
+from conftest import ANSWER, TINY_LLAMA, generation, load_engine, run, text_of
 from engine import Engine
 from errors import InvalidArgument
 from lora import Adapter, AdapterError, MultiLoRALinear, apply_adapters, make_adapters
@@ -302,7 +302,7 @@ def greedy_answer(*adapters: tuple[Path, float], fuse: bool = False) -> str:
 def test_adapters_on_the_embedded_model(tmp_path: Path):
     one = smollm_adapter(tmp_path / "one", seed=1)
     two = smollm_adapter(tmp_path / "two", seed=2)
-    base = greedy_answer()
+    base = ANSWER  # the model's own greedy answer
     assert greedy_answer((one, 0.0)) == base
     adapted = greedy_answer((one, 1.0))
     assert adapted != base
