@@ -13,9 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import dequantize_model, get_total_parameters
+from mlx_lm.utils import get_total_parameters
 
 from errors import FailedPrecondition
+from mlx_utils import dequantize_to_float32
 from python_utils import CPU_PACING_MODES, switched_off
 
 logger = logging.getLogger(__name__)
@@ -293,8 +294,7 @@ def prepare_for_cpu(
         return model, ComputePath(
             f"CPU, {blas_text}, quantized kernels (dequantize: {why})", fast
         )
-    model = dequantize_model(model)
-    model.set_dtype(mx.float32)
+    model = dequantize_to_float32(model)
     mx.eval(model.parameters())
     return model, ComputePath(
         f"CPU, {blas_text}, weights dequantized to float32 ({needed >> 20} MiB)",

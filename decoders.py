@@ -427,7 +427,18 @@ PACING_MIN_ROUNDS = 2
 PACING_MAX_ROUNDS = 4
 PACING_BUDGET_S = 1.6
 _PACING_ORDER = (True, False, False, True)
-_measured: dict[tuple, Pacing] = {}
+# Load-time measurements, kept for a reload of the same weights and settings.
+_measured: dict[tuple, object] = {}
+
+
+def measured_once(model: nn.Module, key: tuple, measure: Callable[[], object]):
+    """``measure()``, run on the engine thread's stream the first time ``model``'s
+    weights load with this ``key`` and BLAS thread count, and kept for the next."""
+    full = (model_signature(model, {}), blas_threads(), *key)
+    if full not in _measured:
+        with mx.stream(thread_stream()):
+            _measured[full] = measure()
+    return _measured[full]
 
 
 def measure_pacing(
@@ -499,21 +510,14 @@ def make_pacing(model: nn.Module, options: LoadOptions, alone: bool, environ) ->
         return Pacing(False, "auto, not measured over a distributed group")
     if unbatchable_reason(model, options):
         return Pacing(False, "auto, not measured: only batched steps are paced")
-    # A reload of the same weights, KV layout and threads keeps its measurement.
-    key = (
-        model_signature(model, {}),
-        options.kv_bits,
-        options.kv_group_size,
-        options.quantized_kv_start,
-        blas_threads(),
-    )
-    if key in _measured:
-        return _measured[key]
-    start = time.perf_counter()
-    with mx.stream(thread_stream()):
+
+    def measure() -> Pacing:
+        start = time.perf_counter()
         pacing = choose_pacing("auto", measure_pacing(model, options))
-    _measured[key] = pacing
-    logger.info(
-        "%s; measured in %.2f s", pacing.describe(), time.perf_counter() - start
-    )
-    return pacing
+        logger.info(
+            "%s; measured in %.2f s", pacing.describe(), time.perf_counter() - start
+        )
+        return pacing
+
+    layout = (options.kv_bits, options.kv_group_size, options.quantized_kv_start)
+    return measured_once(model, ("pacing", *layout), measure)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mlx_lm.utils import _get_classes, dequantize_model
+from mlx_lm.utils import _get_classes
 from tokenizers import (
     AddedToken,
     Tokenizer,
@@ -31,6 +31,8 @@ from tokenizers import (
     pre_tokenizers,
     processors,
 )
+
+from mlx_utils import dequantize_to_float32
 
 logger = logging.getLogger(__name__)
 
@@ -373,8 +375,7 @@ def export_mlx_folder(
     weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
     config = make_config(metadata, weights)
     if dequantize:
-        model = dequantize_model(make_model(config, weights))
-        model.set_dtype(mx.float32)
+        model = dequantize_to_float32(make_model(config, weights))
         weights = dict(tree_flatten(model.parameters()))
     else:
         weights = {translate_name(k): v for k, v in weights.items()}

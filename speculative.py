@@ -30,9 +30,10 @@ from decoders import (
     NewSequence,
     StepResult,
     make_plain_decoder,
+    measured_once,
     thread_stream,
 )
-from mlx_utils import gather_logprobs, make_kv_cache
+from mlx_utils import gather_logprobs, make_kv_cache, model_signature
 from python_utils import LoadOptions
 from quantized_kv import QuantizedKVCache
 from sampling import SeededSampler
@@ -486,10 +487,12 @@ def make_decoder(
         logger.info("speculative decoding is off")
         return inner
     max_draft = max(options.num_draft_tokens, 8)
-    with mx.stream(thread_stream()):
-        costs, per_proposal = measure_verify_costs(
-            model, max_draft, draft if options.speculative != "ngram" else None
-        )
+    drafting = draft if options.speculative != "ngram" else None
+    costs, per_proposal = measured_once(
+        model,
+        ("verify costs", max_draft, drafting and model_signature(drafting, {})),
+        partial(measure_verify_costs, model, max_draft, drafting),
+    )
     if draft is not None and options.speculative in ("auto", "draft"):
         proposer = "the draft model"
         make_proposer = partial(DraftProposer, draft, options.prefill_step_size)

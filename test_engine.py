@@ -14,6 +14,7 @@ import re
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import llama
 from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import (
@@ -21,6 +22,7 @@ from conftest import (
     ANSWER_PIECES,
     PERSON_SCHEMA,
     QUESTION,
+    TINY_LLAMA,
     chat_prompt,
     check_person,
     generation,
@@ -40,7 +42,7 @@ from cpu_path import (
     pacing_setting,
     physical_cores,
 )
-from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder
+from decoders import BatchDecoder, KVState, NewSequence, SingleDecoder, measured_once
 from engine import Engine, common_length
 from errors import Aborted, FailedPrecondition
 from mlx_utils import make_kv_cache
@@ -562,6 +564,27 @@ def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
     assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
     assert choose_pacing("on", slower).describe() == "CPU pacing on (cpu_pacing:on)"
     assert not choose_pacing("off", [(40.0, 33.0)]).paced
+
+
+def test_a_load_time_measurement_is_kept_for_the_same_weights_and_key():
+    def tiny(seed: int) -> llama.Model:
+        mx.random.seed(seed)
+        model = llama.Model(llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": 64}))
+        mx.eval(model.parameters())
+        return model
+
+    calls = []
+
+    def measure():
+        calls.append(len(calls))
+        return calls[-1]
+
+    model = tiny(1)
+    assert measured_once(model, ("test", 8), measure) == 0
+    assert measured_once(tiny(1), ("test", 8), measure) == 0  # a reload
+    assert measured_once(model, ("test", 4), measure) == 1
+    assert measured_once(tiny(2), ("test", 8), measure) == 2  # other weights
+    assert calls == [0, 1, 2]
 
 
 def test_pacing_keeps_the_greedy_tokens(engine):
