@@ -63,8 +63,9 @@ TOOL_EXAMPLE = [
     {"role": "user", "content": "What's the weather like in Lyon, France?"},
     {
         "role": "assistant",
-        "content": '<tool_call>\n{"name": "get_weather", "arguments": '
-        '{"location": "Lyon, France"}}\n</tool_call>',
+        "content": "<tool_call>\n"
+        + json.dumps({"name": TOOL_NAME, "arguments": {"location": "Lyon, France"}})
+        + "\n</tool_call>",
     },
 ]
 # The default GGUF's chat template doesn't name Hermes-style tool calls.
