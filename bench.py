@@ -54,7 +54,7 @@ from bench_batching import bench_batching, percentile
 from bench_distributed import bench_distributed
 from bench_memory import bench_memory
 from bench_prefix import bench_prefix
-from bench_profile import profile_decode
+from bench_profile import process_cpu_seconds, profile_decode
 from bench_speculative import bench_speculative
 from conftest import Server
 from cpu_path import (
@@ -119,18 +119,33 @@ def chat_request(tokens: int, **fields) -> pb.PredictOptions:
     )
 
 
-def server_decode(stub, tokens: int, eos: int, **fields) -> dict:
+def cpu_ms_per_token(cpu: list, tokens: int) -> float | None:
+    """CPU ms per token from (start, end) CPU seconds of each process involved."""
+    if tokens < 2 or any(None in pair for pair in cpu):
+        return None
+    return sum(end - start for start, end in cpu) / (tokens - 1) * 1000
+
+
+def server_decode(
+    stub, tokens: int, eos: int, pid: int | None = None, **fields
+) -> dict:
+    """One streamed decode; with the server's ``pid``, the CPU it and this client
+    spent per token after the first."""
     request = chat_request(tokens, LogitBias=json.dumps({str(eos): -1e9}), **fields)
     start = time.perf_counter()
     first = None
     for reply in stub.PredictStream(request):
         if first is None:
             first = time.perf_counter()
+            cpu = [[time.process_time()], [process_cpu_seconds(pid) if pid else None]]
     end = time.perf_counter()
+    cpu[0].append(time.process_time())
+    cpu[1].append(process_cpu_seconds(pid) if pid else None)
     return {
         "tokens": reply.tokens,
         "ttft_s": first - start,
         "decode_tps": (reply.tokens - 1) / (end - first),
+        "cpu_ms_per_token": cpu_ms_per_token(cpu, reply.tokens),
     }
 
 
@@ -167,9 +182,16 @@ def library_decode(model, tokenizer, tokens: int, eos: int) -> dict:
     ):
         if first is None:
             first = time.perf_counter()
+            cpu = [time.process_time()]
         n = response.generation_tokens
     end = time.perf_counter()
-    return {"tokens": n, "ttft_s": first - start, "decode_tps": (n - 1) / (end - first)}
+    cpu.append(time.process_time())
+    return {
+        "tokens": n,
+        "ttft_s": first - start,
+        "decode_tps": (n - 1) / (end - first),
+        "cpu_ms_per_token": cpu_ms_per_token([cpu], n),
+    }
 
 
 def health_latency(stub, tokens: int) -> dict:
@@ -205,6 +227,11 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def median_cpu(runs: list[dict]) -> float | None:
+    figures = [r["cpu_ms_per_token"] for r in runs]
+    return None if None in figures else statistics.median(figures)
+
+
 def cpu_header(breakdown) -> str:
     """The machine and compute path, so runs on different machines compare."""
     model = platform.processor() or platform.machine()
@@ -221,29 +248,31 @@ def cpu_header(breakdown) -> str:
     )
 
 
-def bench_overhead(
-    stubs: dict, rounds: int, tokens: int, server_pid: int
-) -> tuple[dict, list[str]]:
-    """Part 1 on servers loaded with cpu_pacing auto, on and off (``stubs``)."""
+def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[str]]:
+    """Part 1 on servers loaded with cpu_pacing auto, on and off (``servers``)."""
     model, tokenizer, _ = load_gguf(default_model_path())
     model, path = prepare_for_cpu(model, None, None)
     eos = next(iter(tokenizer.eos_token_ids))
-    auto = stubs["auto"]
-    for stub in stubs.values():  # warm every side once
-        server_decode(stub, 16, eos)
+    auto, auto_pid = servers["auto"].stub, servers["auto"].process.pid
+    for server in servers.values():  # warm every side once
+        server_decode(server.stub, 16, eos)
     library_decode(model, tokenizer, 16, eos)
     sides = {
-        name: partial(server_decode, stub, tokens, eos) for name, stub in stubs.items()
+        name: partial(server_decode, server.stub, tokens, eos, server.process.pid)
+        for name, server in servers.items()
     }
     sides["logprobs"] = partial(
         server_decode,
         auto,
         tokens,
         eos,
+        auto_pid,
         Logprobs=TOP_LOGPROBS,
         TopLogprobs=TOP_LOGPROBS,
     )
-    sides["grammar"] = partial(server_decode, auto, tokens, eos, Grammar=STORY_SCHEMA)
+    sides["grammar"] = partial(
+        server_decode, auto, tokens, eos, auto_pid, Grammar=STORY_SCHEMA
+    )
     # The library against itself: how far from 1 the machine's noise alone moves a ratio.
     sides["noise"] = partial(library_decode, model, tokenizer, tokens, eos)
     runs = {"mlx_lm": [], **{name: [] for name in sides}}
@@ -264,7 +293,7 @@ def bench_overhead(
             pairs[name].append(side["decode_tps"] / library["decode_tps"])
     health = health_latency(auto, tokens)
     profile, profile_lines = profile_decode(
-        server_pid, lambda n: server_decode(auto, n, eos), 2 * tokens
+        auto_pid, lambda n: server_decode(auto, n, eos), 2 * tokens
     )
     breakdown = auto.Status(pb.HealthMessage()).memory.breakdown
     chosen = "on" if breakdown["cpu_paced"] else "off"
@@ -283,12 +312,15 @@ def bench_overhead(
         "runs "
         f"({path.description})",
         cpu_header(breakdown),
-        f"{'path':<30}{'decode tok/s':>14}{'/ mlx-lm':>10}{'TTFT s':>9}",
+        f"{'path':<30}{'decode tok/s':>14}{'/ mlx-lm':>10}{'TTFT s':>9}"
+        f"{'CPU ms/tok':>12}",
     ]
+    cpu = {name: median_cpu(runs[name]) for name in labels}
     for name, label in labels.items():
         lines.append(
             f"{label:<30}{median_of(runs[name], 'decode_tps'):>14.2f}"
             f"{ratios[name]:>10.3f}{median_of(runs[name], 'ttft_s'):>9.3f}"
+            + (f"{cpu[name]:>12.1f}" if cpu[name] else f"{'n/a':>12}")
         )
     better = max(ratios["on"], ratios["off"])
     lines += [
@@ -301,6 +333,9 @@ def bench_overhead(
         "(goal >= 0.97)",
         f"auto grammar / auto plain: {ratios['grammar'] / ratios['auto']:.3f} "
         "(goal >= 0.95)",
+        "CPU ms/tok: the CPU time of the server's threads and this client's (the "
+        "library's: this process) per token after the first; time stolen by other "
+        "tenants is not in it",
         f"Health during generation: p50 {health['p50_ms']:.2f} ms, "
         f"p95 {health['p95_ms']:.2f} ms, max {health['max_ms']:.2f} ms "
         f"over {health['samples']} calls",
@@ -481,10 +516,7 @@ def main(argv: list[str] | None = None) -> None:
                     for mode in ("auto", "on", "off")
                 }
                 report["overhead"], part = bench_overhead(
-                    {mode: server.stub for mode, server in servers.items()},
-                    args.rounds,
-                    args.tokens,
-                    servers["auto"].process.pid,
+                    servers, args.rounds, args.tokens
                 )
             lines += part
         if 2 in parts and sys.platform == "linux":

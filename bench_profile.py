@@ -36,17 +36,29 @@ def find_py_spy() -> str | None:
     return shutil.which("py-spy") or shutil.which("py-spy", path=f"{sys.prefix}/bin")
 
 
+def cpu_seconds(stat: Path) -> float:
+    """User plus system CPU seconds from a /proc ``stat`` file."""
+    text = stat.read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """Process ``pid``'s CPU seconds, its ended threads' included (None without /proc)."""
+    try:
+        return cpu_seconds(Path(f"/proc/{pid}/stat"))
+    except OSError:
+        return None
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
     """Each thread's user plus system CPU seconds, by thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
     times = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            times[int(tid)] = cpu_seconds(Path(f"/proc/{pid}/task/{tid}/stat"))
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        times[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
     return times
 
 
