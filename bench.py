@@ -119,11 +119,18 @@ def chat_request(tokens: int, **fields) -> pb.PredictOptions:
     )
 
 
-def cpu_ms_per_token(cpu: list, tokens: int) -> float | None:
-    """CPU ms per token from (start, end) CPU seconds of each process involved."""
-    if tokens < 2 or any(None in pair for pair in cpu):
+def cpu_seconds(*pids: int) -> float | None:
+    """CPU seconds of this process and of ``pids`` together (None without /proc)."""
+    others = [process_cpu_seconds(pid) for pid in pids]
+    return None if None in others else time.process_time() + sum(others)
+
+
+def cpu_ms_per_token(
+    start: float | None, end: float | None, tokens: int
+) -> float | None:
+    if start is None or end is None or tokens < 2:
         return None
-    return sum(end - start for start, end in cpu) / (tokens - 1) * 1000
+    return (end - start) / (tokens - 1) * 1000
 
 
 def server_decode(
@@ -137,15 +144,14 @@ def server_decode(
     for reply in stub.PredictStream(request):
         if first is None:
             first = time.perf_counter()
-            cpu = [[time.process_time()], [process_cpu_seconds(pid) if pid else None]]
+            cpu_start = cpu_seconds(pid) if pid else None
     end = time.perf_counter()
-    cpu[0].append(time.process_time())
-    cpu[1].append(process_cpu_seconds(pid) if pid else None)
+    cpu_end = cpu_seconds(pid) if pid else None
     return {
         "tokens": reply.tokens,
         "ttft_s": first - start,
         "decode_tps": (reply.tokens - 1) / (end - first),
-        "cpu_ms_per_token": cpu_ms_per_token(cpu, reply.tokens),
+        "cpu_ms_per_token": cpu_ms_per_token(cpu_start, cpu_end, reply.tokens),
     }
 
 
@@ -182,15 +188,15 @@ def library_decode(model, tokenizer, tokens: int, eos: int) -> dict:
     ):
         if first is None:
             first = time.perf_counter()
-            cpu = [time.process_time()]
+            cpu_start = cpu_seconds()
         n = response.generation_tokens
     end = time.perf_counter()
-    cpu.append(time.process_time())
+    cpu_end = cpu_seconds()
     return {
         "tokens": n,
         "ttft_s": first - start,
         "decode_tps": (n - 1) / (end - first),
-        "cpu_ms_per_token": cpu_ms_per_token([cpu], n),
+        "cpu_ms_per_token": cpu_ms_per_token(cpu_start, cpu_end, n),
     }
 
 

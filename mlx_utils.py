@@ -123,27 +123,19 @@ def gather_logprobs(
     """
     logprobs = mx.stack(list(rows)).astype(mx.float32)
     # On a CPU numpy picks the best of a vocabulary about 4x faster than MLX.
-    on_cpu = mx.default_device() == mx.cpu
-    if on_cpu:
+    xp = np if mx.default_device() == mx.cpu else mx
+    if xp is np:
         logprobs = np.asarray(logprobs)
-        chosen = logprobs[np.arange(len(tokens)), tokens]
-    else:
-        chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)
-        chosen = chosen[:, 0]
+    chosen = xp.take_along_axis(logprobs, xp.array(tokens)[:, None], axis=-1)[:, 0]
     if top == 0:
         return [(value, []) for value in chosen.tolist()]
-    if on_cpu:
-        best = np.argpartition(logprobs, -top, axis=-1)[:, -top:]
-        values = np.take_along_axis(logprobs, best, axis=-1)
-        order = np.argsort(-values, axis=-1, kind="stable")
-        best = np.take_along_axis(best, order, axis=-1)
-        values = np.take_along_axis(values, order, axis=-1)
-    else:
-        best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-        values = mx.take_along_axis(logprobs, best, axis=-1)
-        order = mx.argsort(-values, axis=-1)
-        best = mx.take_along_axis(best, order, axis=-1)
-        values = mx.take_along_axis(values, order, axis=-1)
+    cut = logprobs.shape[-1] - top
+    best = xp.argpartition(logprobs, kth=cut, axis=-1)[:, cut:]
+    values = xp.take_along_axis(logprobs, best, axis=-1)
+    order = xp.argsort(-values, axis=-1)
+    best = xp.take_along_axis(best, order, axis=-1)
+    values = xp.take_along_axis(values, order, axis=-1)
+    if xp is mx:
         mx.eval(chosen, best, values)
     return [
         (value, list(zip(ids, alternatives)))
