@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -303,6 +304,8 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
     )
     breakdown = auto.Status(pb.HealthMessage()).memory.breakdown
     chosen = "on" if breakdown["cpu_paced"] else "off"
+    # The last load's pacing line: the figures auto chose by.
+    pacing = re.findall(r"CPU pacing \w+ \(auto[^)]*\)", servers["auto"].logs())
     labels = {
         "mlx_lm": "mlx-lm stream_generate",
         "auto": f"gRPC, pacing auto ({chosen})",
@@ -318,6 +321,7 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
         "runs "
         f"({path.description})",
         cpu_header(breakdown),
+        pacing[-1] if pacing else "auto pacing: no figures in the server's log",
         f"{'path':<30}{'decode tok/s':>14}{'/ mlx-lm':>10}{'TTFT s':>9}"
         f"{'CPU ms/tok':>12}",
     ]

@@ -49,9 +49,12 @@ STARTUP_TIMEOUT = 120.0
 MODEL = str(default_model_path())
 AUTH = (("authorization", "Bearer s3cret"),)
 
-# Engines and backends here don't spend ~2 s measuring pacing at every load: the
-# host setting pins it (greedy tokens are the same either way). Pacing tests ask for auto.
-os.environ.setdefault(CPU_PACING_ENV, "off")
+
+def pytest_configure(config):
+    # Engines and backends under test don't spend ~2.5 s measuring pacing at every
+    # load: the host setting pins it (greedy tokens are the same either way). Pacing
+    # tests ask for auto; bench.py and soak.py, which import this file, measure.
+    os.environ.setdefault(CPU_PACING_ENV, "off")
 
 
 def backend_environment() -> dict:

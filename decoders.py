@@ -9,7 +9,6 @@ decoder runs; a new generation path is one new ``Decoder`` class.
 
 import copy
 import logging
-import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -419,14 +418,18 @@ def make_plain_decoder(
     return BatchDecoder(model, options, trimmable, pace)
 
 
-# Pacing is measured over one greedy decode in rounds of four segments of this
-# many tokens (paced, unpaced, unpaced, paced), until a round ends past the budget.
-PACING_SEGMENT = 6
+# Pacing is measured over one greedy decode in segments of alternating modes,
+# unpaced first, each timed only over its tail: after a switch the speed follows
+# slowly (on a 2-core Xeon unpaced steps slowed down over 10-20 steps, and paced
+# ones recovered within 8).
+PACING_SEGMENTS = 4
 PACING_WARMUP = 4
-PACING_MIN_ROUNDS = 2
-PACING_MAX_ROUNDS = 4
-PACING_BUDGET_S = 1.6
-_PACING_ORDER = (True, False, False, True)
+PACING_SETTLE_S = {False: 0.4, True: 0.2}
+PACING_TIMED_S = 0.22
+PACING_MAX_SEGMENT_TOKENS = 64
+# Pacing saves some ms a step: the slower steps of a model too big for the CPU
+# are not measured.
+PACING_MAX_STEP_S = 0.2
 # Load-time measurements, kept for a reload of the same weights and settings.
 _measured: dict[tuple, object] = {}
 
@@ -441,14 +444,11 @@ def measured_once(model: nn.Module, key: tuple, measure: Callable[[], object]):
     return _measured[full]
 
 
-def measure_pacing(
-    model: nn.Module, options: LoadOptions, budget_s: float = PACING_BUDGET_S
-) -> list[tuple[float, float]]:
-    """One stream's tokens/s with paced and unpaced steps, (paced, unpaced) per
-    round, each the mean of its two segments.
+def measure_pacing(model: nn.Module, options: LoadOptions) -> list[tuple[float, float]]:
+    """One stream's tokens/s with paced and unpaced steps, (paced, unpaced) for
+    each pair of segments; empty when a step is too slow for pacing to matter.
 
-    One decode serves both: a switch takes effect at the next step, and the first
-    token of each segment is not timed.
+    One decode serves both: a switch takes effect at the next step.
     """
     # Rebound by the loop below; each step reads it.
     paced = False
@@ -456,10 +456,10 @@ def measure_pacing(
     def switchable(tokens: mx.array, logits: mx.array) -> mx.array:
         return pace_step(tokens, logits) if paced else logits
 
-    tokens = PACING_WARMUP + PACING_MAX_ROUNDS * len(_PACING_ORDER) * PACING_SEGMENT
     batch = BatchGenerator(
         model, prefill_step_size=options.prefill_step_size, stream=thread_stream()
     )
+    tokens = PACING_WARMUP + PACING_SEGMENTS * 2 * PACING_MAX_SEGMENT_TOKENS
     batch.insert(
         [list(range(1, 9))],
         max_tokens=[tokens + 1],
@@ -467,33 +467,35 @@ def measure_pacing(
         logits_processors=[[switchable]],
     )
 
-    def decode(count: int) -> float:
-        """Tokens/s over ``count`` tokens, from the first one's arrival."""
-        arrivals = []
-        while len(arrivals) < count:
+    def arrivals() -> Iterator[float]:
+        while True:
             if batch.next()[1]:
-                arrivals.append(time.perf_counter())
-        return (count - 1) / (arrivals[-1] - arrivals[0])
+                yield time.perf_counter()
 
-    rounds = []
+    def tokens_for(seconds: float, least: int) -> int:
+        return min(max(least, round(seconds / step_s)), PACING_MAX_SEGMENT_TOKENS)
+
+    ticks = arrivals()
+    figures: dict[bool, list[float]] = {True: [], False: []}
     try:
-        decode(PACING_WARMUP)
-        start = time.perf_counter()
-        while len(rounds) < PACING_MAX_ROUNDS:
-            figures: dict[bool, list[float]] = {True: [], False: []}
-            for paced in _PACING_ORDER:
-                figures[paced].append(decode(PACING_SEGMENT))
-            rounds.append(
-                (statistics.mean(figures[True]), statistics.mean(figures[False]))
+        warmup = [next(ticks) for _ in range(PACING_WARMUP)]
+        step_s = (warmup[-1] - warmup[1]) / (PACING_WARMUP - 2)
+        if step_s > PACING_MAX_STEP_S:
+            logger.info(
+                "a decode step takes %.0f ms: pacing not measured", step_s * 1e3
             )
-            if (
-                len(rounds) >= PACING_MIN_ROUNDS
-                and time.perf_counter() - start > budget_s
-            ):
-                break
+            return []
+        timed = tokens_for(PACING_TIMED_S, 3)
+        for segment in range(PACING_SEGMENTS):
+            paced = segment % 2 == 1
+            for _ in range(tokens_for(PACING_SETTLE_S[paced], 2)):
+                start = next(ticks)
+            for _ in range(timed):
+                end = next(ticks)
+            figures[paced].append(timed / (end - start))
     finally:
         batch.close()
-    return rounds
+    return list(zip(figures[True], figures[False]))
 
 
 def make_pacing(model: nn.Module, options: LoadOptions, alone: bool, environ) -> Pacing:

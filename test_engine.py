@@ -549,7 +549,7 @@ def test_threads_cap_the_blas():
 
 
 def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
-    # (paced, unpaced) tok/s per round: pacing must win every round by 2%.
+    # (paced, unpaced) tok/s per round: pacing must win on average by 1%.
     slower = [(30.0, 39.0), (31.0, 38.0), (29.0, 40.0)]
     pacing = choose_pacing("auto", slower)
     assert not pacing.paced
@@ -558,9 +558,11 @@ def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
         "paced/unpaced by round 0.77, 0.82, 0.72)"
     )
     assert choose_pacing("auto", [(40.0, 33.0), (41.0, 34.0)]).paced
-    # One round of noise, or a win under the margin, keeps mlx-lm's own step.
+    # A round that the machine's noise turned around doesn't veto the others.
+    assert choose_pacing("auto", [(44.0, 40.0), (39.0, 40.0)]).paced
+    # A tie, or a win under the margin, keeps mlx-lm's own step.
     assert not choose_pacing("auto", [(40.0, 33.0), (33.0, 40.0)]).paced
-    assert not choose_pacing("auto", [(40.5, 40.0), (40.5, 40.0)]).paced
+    assert not choose_pacing("auto", [(40.3, 40.0), (40.3, 40.0)]).paced
     assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
     assert choose_pacing("on", slower).describe() == "CPU pacing on (cpu_pacing:on)"
     assert not choose_pacing("off", [(40.0, 33.0)]).paced
