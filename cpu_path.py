@@ -321,6 +321,12 @@ def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
 PACING_MARGIN = 0.01
 
 
+def mean_speeds(rounds: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The mean paced and unpaced tokens/s over measured (paced, unpaced) rounds."""
+    paced, unpaced = (statistics.fmean(r) for r in zip(*rounds))
+    return paced, unpaced
+
+
 @dataclass(frozen=True)
 class Pacing:
     """Whether batched CPU decode steps are paced (``pace_step``), and why; shown
@@ -335,7 +341,7 @@ class Pacing:
     def describe(self) -> str:
         text = f"CPU pacing {'on' if self.paced else 'off'} ({self.reason}"
         if self.rounds:
-            paced, unpaced = (statistics.fmean(r) for r in zip(*self.rounds))
+            paced, unpaced = mean_speeds(self.rounds)
             ratios = ", ".join(f"{p / u:.2f}" for p, u in self.rounds)
             text += (
                 f": tok/s paced {paced:.1f}, unpaced {unpaced:.1f}; "
@@ -371,7 +377,7 @@ def choose_pacing(option: str, rounds: Sequence[tuple[float, float]] = ()) -> Pa
         return Pacing(option == "on", f"cpu_pacing:{option}")
     if not rounds:
         return Pacing(False, "auto, not measured")
-    paced, unpaced = (statistics.fmean(r) for r in zip(*rounds))
+    paced, unpaced = mean_speeds(rounds)
     return Pacing(
         paced > unpaced * (1 + PACING_MARGIN), "auto, measured", tuple(rounds)
     )
