@@ -153,21 +153,46 @@ def quantized(options, bits: int | None):
     return dataclasses.replace(options, kv_bits=bits, kv_group_size=32)
 
 
+# Batching changes the BLAS's matrix shapes, so its rounding; quantizing the KV
+# cache amplifies that to up to 0.25 in a logprob (0.06 for the chosen token).
+QUANTIZED_NOISE = 0.4
+# A choice closer than this between the best two tokens may go either way.
+CLOSE_CALL = 0.5
+
+
 def test_batched_and_single_quantized_decoding_agree(engine):
+    """Token for token until a close call, with logprobs that differ by rounding
+    only: a masking or padding mistake moves them by whole units."""
+
     def both(model, options):
         options = quantized(options, 8)
         prompts = [chat_prompt(engine, q) for q in QUESTIONS]
         batched = drive(
-            BatchDecoder(model, options, True), model, options, prompts, 24, None
+            BatchDecoder(model, options, True), model, options, prompts, 24, 2
         )
         single = drive(
-            SingleDecoder(model, options, True), model, options, prompts, 24, None
+            SingleDecoder(model, options, True), model, options, prompts, 24, 2
         )
         return batched, single
 
     batched, single = on_engine_thread(engine, both)
-    for (b_tokens, _, b_state), (s_tokens, _, s_state) in zip(batched, single):
-        assert b_tokens == s_tokens and len(b_tokens) == 24
+    for (b_tokens, b_scores, b_state), (s_tokens, s_scores, s_state) in zip(
+        batched, single
+    ):
+        assert len(b_tokens) == len(s_tokens) == 24
+        for b_token, s_token, (b_value, b_top), (s_value, s_top) in zip(
+            b_tokens, s_tokens, b_scores, s_scores
+        ):
+            b_top, s_top = dict(b_top), dict(s_top)
+            shared = b_top.keys() & s_top.keys()
+            assert shared and all(
+                b_top[t] == pytest.approx(s_top[t], abs=QUANTIZED_NOISE) for t in shared
+            )
+            if b_token != s_token:
+                assert b_top.keys() == s_top.keys()
+                assert abs(s_top[s_token] - s_top[b_token]) < CLOSE_CALL
+                break
+            assert b_value == pytest.approx(s_value, abs=QUANTIZED_NOISE)
         assert isinstance(b_state.cache[0], QuantizedKVCache)
         assert isinstance(s_state.cache[0], QuantizedKVCache)
 
