@@ -30,7 +30,13 @@ import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import BackendServicer, main
 from chat_output import merge_deltas
-from cpu_path import CPU_PACING_ENV, blas_choice_environment, fast_blas_in_use
+from cpu_path import (
+    BLAS_THREAD_ENV,
+    CPU_PACING_ENV,
+    blas_choice_environment,
+    fast_blas_in_use,
+    physical_cores,
+)
 from engine import Engine
 from gguf_loader import save_tokenizer
 from model_loading import ModelInfo, default_model_path
@@ -55,6 +61,13 @@ def pytest_configure(config):
     # load: the host setting pins it (greedy tokens are the same either way). Pacing
     # tests ask for auto; bench.py and soak.py, which import this file, measure.
     os.environ.setdefault(CPU_PACING_ENV, "off")
+    # xdist's workers split the cores: BLAS threads beyond a worker's share spin
+    # against the other worker's (make test on 2 cores: 8m24s, 6m48s split).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = str(max(1, physical_cores() // workers))
+        for name in BLAS_THREAD_ENV:
+            os.environ.setdefault(name, share)
 
 
 def backend_environment() -> dict:
