@@ -153,17 +153,33 @@ def quantized(options, bits: int | None):
     return dataclasses.replace(options, kv_bits=bits, kv_group_size=32)
 
 
-# Batching changes the BLAS's matrix shapes, so its rounding; quantizing the KV
-# cache amplifies that to up to 0.25 in a logprob (0.06 for the chosen token).
-QUANTIZED_NOISE = 0.4
-# A choice closer than this between the best two tokens may go either way.
-CLOSE_CALL = 0.5
+def assert_greedy_close(ours: tuple, theirs: tuple, noise: float) -> None:
+    """Two greedy decodes of one prompt (``drive``'s tokens and top-2 logprob
+    entries) agree token for token, the logprobs they share within ``noise``, up
+    to a near tie: both then had the same two best tokens, within 2 * ``noise``.
+    A masking or padding mistake moves logprobs by whole units."""
+    (our_tokens, our_scores, _), (their_tokens, their_scores, _) = ours, theirs
+    assert len(our_tokens) == len(their_tokens)
+    for mine, theirs_, (_, my_top), (_, their_top) in zip(
+        our_tokens, their_tokens, our_scores, their_scores
+    ):
+        my_top, their_top = dict(my_top), dict(their_top)
+        assert {mine, theirs_} <= my_top.keys() & their_top.keys()
+        for token in my_top.keys() & their_top.keys():
+            assert my_top[token] == pytest.approx(their_top[token], abs=noise)
+        if mine != theirs_:
+            assert my_top.keys() == their_top.keys()
+            return
+
+
+# Batching changes the BLAS's matrix shapes, so its rounding; a quantized KV cache
+# amplifies that to up to 0.25 in a logprob on a 2-core Xeon (0.003 unquantized).
+BATCHING_NOISE = 0.4
+# Measured up to 0.40 between the two caches on the test prompts.
+Q8_NOISE = 0.6
 
 
 def test_batched_and_single_quantized_decoding_agree(engine):
-    """Token for token until a close call, with logprobs that differ by rounding
-    only: a masking or padding mistake moves them by whole units."""
-
     def both(model, options):
         options = quantized(options, 8)
         prompts = [chat_prompt(engine, q) for q in QUESTIONS]
@@ -176,32 +192,17 @@ def test_batched_and_single_quantized_decoding_agree(engine):
         return batched, single
 
     batched, single = on_engine_thread(engine, both)
-    for (b_tokens, b_scores, b_state), (s_tokens, s_scores, s_state) in zip(
-        batched, single
-    ):
-        assert len(b_tokens) == len(s_tokens) == 24
-        for b_token, s_token, (b_value, b_top), (s_value, s_top) in zip(
-            b_tokens, s_tokens, b_scores, s_scores
-        ):
-            b_top, s_top = dict(b_top), dict(s_top)
-            shared = b_top.keys() & s_top.keys()
-            assert shared and all(
-                b_top[t] == pytest.approx(s_top[t], abs=QUANTIZED_NOISE) for t in shared
-            )
-            if b_token != s_token:
-                assert b_top.keys() == s_top.keys()
-                assert abs(s_top[s_token] - s_top[b_token]) < CLOSE_CALL
-                break
-            assert b_value == pytest.approx(s_value, abs=QUANTIZED_NOISE)
-        assert isinstance(b_state.cache[0], QuantizedKVCache)
-        assert isinstance(s_state.cache[0], QuantizedKVCache)
+    for b, s in zip(batched, single):
+        assert len(b[0]) == 24
+        assert_greedy_close(b, s, BATCHING_NOISE)
+        assert isinstance(b[2].cache[0], QuantizedKVCache)
+        assert isinstance(s[2].cache[0], QuantizedKVCache)
 
 
 def test_q8_0_stays_close_to_full_precision(engine):
     """Closeness: the last prompt position's logits differ by under 1.0 at q8_0
     (measured 0.31 to 0.41 on the test prompts, against 5.6 to 8.1 at q4_0), and
-    greedy decoding keeps the first 32 tokens of the two prompts whose best
-    first token leads by more than 0.04."""
+    greedy decoding keeps full precision's tokens up to a near tie."""
 
     def logits(model, options):
         out = []
@@ -221,19 +222,15 @@ def test_q8_0_stays_close_to_full_precision(engine):
         assert differences[4] > 2 * differences[8]
 
     def greedy(model, options):
-        prompts = [chat_prompt(engine, q) for q in QUESTIONS[:2]]
+        prompts = [chat_prompt(engine, q) for q in QUESTIONS]
         return [
-            [
-                tokens
-                for tokens, _, _ in drive(
-                    BatchDecoder(model, o, True), model, o, prompts, 32, None
-                )
-            ]
+            drive(BatchDecoder(model, o, True), model, o, prompts, 32, 2)
             for o in (options, quantized(options, 8))
         ]
 
     full, q8 = on_engine_thread(engine, greedy)
-    assert full == q8
+    for ours, theirs in zip(q8, full):
+        assert_greedy_close(ours, theirs, Q8_NOISE)
 
 
 def test_the_engine_serves_and_caches_quantized_kv():
