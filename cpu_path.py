@@ -323,8 +323,8 @@ PACING_MARGIN = 0.01
 
 def mean_speeds(rounds: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """The mean paced and unpaced tokens/s over measured (paced, unpaced) rounds."""
-    paced, unpaced = (statistics.fmean(r) for r in zip(*rounds))
-    return paced, unpaced
+    paced, unpaced = zip(*rounds)
+    return statistics.fmean(paced), statistics.fmean(unpaced)
 
 
 @dataclass(frozen=True)
