@@ -135,19 +135,24 @@ def bench_speculative(
         workload: {side: statistics.median(v) for side, v in sides_.items()}
         for workload, sides_ in runs.items()
     }
-    rates = {
-        workload: sum(a for _, a in pairs) / max(1, sum(p for p, _ in pairs))
+    totals = {
+        workload: (sum(p for p, _ in pairs), sum(a for _, a in pairs))
         for workload, pairs in accepted.items()
+    }
+    rates = {workload: a / max(1, p) for workload, (p, a) in totals.items()}
+    shown = {
+        workload: f"{a}/{p} ({a / p:.0%})" if p else "none proposed"
+        for workload, (p, a) in totals.items()
     }
     copy, open_, mixed = summary["copy"], summary["open"], summary["mix"]
     lines = [
         f"6. speculative decoding (n-gram prompt lookup), greedy, median of {rounds} "
         f"rounds; decode tok/s from the first token",
-        f"{'workload':<26}{'on':>9}{'off':>9}{'on/off':>9}{'accepted':>10}",
+        f"{'workload':<26}{'on':>9}{'off':>9}{'on/off':>9}  accepted/proposed",
         f"{'copy, 1 stream':<26}{copy['on']:>9.1f}{copy['off']:>9.1f}"
-        f"{copy['on'] / copy['off']:>8.2f}x{rates['copy']:>9.0%}",
+        f"{copy['on'] / copy['off']:>8.2f}x  {shown['copy']}",
         f"{'open, 1 stream':<26}{open_['on']:>9.1f}{open_['off']:>9.1f}"
-        f"{open_['on'] / open_['off']:>8.2f}x{rates['open']:>9.0%}",
+        f"{open_['on'] / open_['off']:>8.2f}x  {shown['open']}",
         f"{f'mix, {MIX_STREAMS} streams (aggregate)':<26}{mixed['on']:>9.1f}"
         f"{mixed['off']:>9.1f}{mixed['on'] / mixed['off']:>8.2f}x"
         f"   ({mix_proposed} tokens proposed: batches decode plainly)",

@@ -45,11 +45,12 @@ logger = logging.getLogger(__name__)
 FIRST_REST_TOKENS = 16
 MAX_REST_TOKENS = 1024
 # Verifying must promise this many times the tokens per second of one plain step:
-# lone steps are not pipelined as the batch's are, and leaving the batch wastes the
-# step it had started.
+# lone steps are not pipelined as the batch's are.
 MIN_GAIN = 1.3
 # Acceptance estimates decay by this factor per verification.
 ACCEPTANCE_DECAY = 0.9
+# Plain steps a sequence loses when it leaves the batch to speculate.
+LEAVE_COST = 1.0
 
 
 class NgramProposer:
@@ -168,6 +169,12 @@ def measure_verify_costs(
     return tuple(costs), per_proposal
 
 
+def expected_tokens(rate: float, k: int) -> float:
+    """The tokens one verification of ``k`` proposals yields when each holds
+    with probability ``rate``: the accepted ones and the model's own."""
+    return sum(rate**i for i in range(k + 1))
+
+
 def best_draft_length(
     rate: float, costs: tuple[float, ...], available: int, per_proposal: float = 0.0
 ) -> int:
@@ -177,7 +184,7 @@ def best_draft_length(
     costs ``per_proposal`` of one."""
     best, best_gain = 0, MIN_GAIN
     for k in range(1, min(available, len(costs) - 1) + 1):
-        gain = sum(rate**i for i in range(k + 1)) / (costs[k] + k * per_proposal)
+        gain = expected_tokens(rate, k) / (costs[k] + k * per_proposal)
         if gain > best_gain:
             best, best_gain = k, gain
     return best
@@ -250,6 +257,10 @@ class SpeculativeDecoder(Decoder):
         if sequence.draft_tokens > 0:
             proposer = self._make_proposer()
         row = _Row(sequence, list(sequence.prompt), proposer)
+        if proposer is not None and proposer.cheap:
+            # Its guesses are checked for free while it decodes plainly: it earns
+            # its estimate there before leaving the batch on a prior.
+            row.hits = 0.0
         row.inner = self._inner.add(sequence)
         self._rows[key] = row
         self._by_inner[row.inner] = key
@@ -317,8 +328,11 @@ class SpeculativeDecoder(Decoder):
         length = self._best_length(row)
         if not row.proposer.cheap:
             return length > 0
-        # Leaving wastes the batch's step in flight: one proposed token rarely pays.
-        return len(row.proposer.propose(row.tokens, length)) >= min(length, 2) > 0
+        k = len(row.proposer.propose(row.tokens, length))
+        # Leaving throws away the batch's step in flight: the first verification
+        # must gain more than that step.
+        rate = row.hits / row.trials
+        return k > 0 and expected_tokens(rate, k) - self.costs[k] > LEAVE_COST
 
     def _check_guess(self, row: _Row, tokens: tuple[int, ...]) -> None:
         """Score the last cheap proposal against the token plain decoding made, so

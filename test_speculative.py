@@ -147,12 +147,23 @@ def test_greedy_output_is_plain_decoding(plain, speculative, text):
         proposed,
         accepted,
     )
-    assert proposed > 0
     if text == REPEAT:
-        assert accepted >= 0.9 * proposed
-    else:
+        # All but the proposals past the paragraph's end.
+        assert proposed > 0 and accepted >= 0.85 * proposed
+    elif text == POEM:
         # Some proposals are taken and some thrown away.
         assert 0 < accepted < proposed
+    else:
+        # Its guesses hold too rarely to pay for leaving the batch.
+        assert proposed == 0
+
+
+def test_a_lone_sequence_leaves_once_its_guesses_hold(speculative):
+    """Prompt lookup is checked against plain decoding first: the copy's guesses
+    hold twice while it decodes in the batch (with flat costs, what makes leaving
+    it pay), and only then does it speculate."""
+    steps = trace(speculative, REPEAT)
+    assert [len(tokens) for tokens in steps[:4]] == [1, 1, 1, 9]
 
 
 def test_cuts_inside_an_accepted_run(plain, speculative):
@@ -163,9 +174,9 @@ def test_cuts_inside_an_accepted_run(plain, speculative):
     (cliff,) = [s for s in steps if tokenizer.encode(" cliff")[0] in s]
     assert cliff.index(tokenizer.encode(" cliff")[0]) < len(cliff) - 1
     ends = [sum(map(len, steps[: i + 1])) for i in range(len(steps))]
-    # A token limit three tokens into the third step.
-    limit = ends[1] + 3
-    assert limit < ends[2] - 1
+    # A token limit three tokens into the first full verification.
+    full = next(i for i, tokens in enumerate(steps) if len(tokens) == 9)
+    limit = ends[full - 1] + 3
     # The first EOS comes with the tokens after it.
     ending = next(s for s in steps if eos in s)
     assert len(ending) > 1
@@ -331,6 +342,13 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+class EagerLookup(NgramProposer):
+    """Prompt lookup verified from the first decoded token on, as a draft model's
+    proposals are, rather than after its guesses have held."""
+
+    cheap = False
+
+
 def test_speculative_sampling_keeps_the_model_distribution(tiny):
     """The second token (the first one a verification pass samples, after the
     n-gram proposal from the repeated prompt) follows the model's own
@@ -341,7 +359,7 @@ def test_speculative_sampling_keeps_the_model_distribution(tiny):
         BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
         tiny,
         4,
-        lambda: NgramProposer(1, 3),
+        lambda: EagerLookup(1, 3),
         costs=FLAT,
     )
     draws = 1200
