@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -91,6 +92,10 @@ logger = logging.getLogger(__name__)
 
 # Memory readings are refreshed every this many decode steps.
 STATS_INTERVAL = 16
+# A request that wakes an idle engine waits for others that arrive within this gap
+# of the last one, for at most this long, so that a burst is prefilled together.
+BURST_GAP_SECONDS = 0.005
+BURST_SECONDS = 0.03
 # The share of physical memory the prompt cache may take by default.
 PROMPT_CACHE_MEMORY_FRACTION = 0.1
 # A request waits for another's prefill only to skip at least this many tokens:
@@ -368,14 +373,20 @@ class Engine:
 
     def _schedule(self) -> bool:
         """Take the inbox's messages; block while idle. False when asked to stop."""
+        burst_ends = None
         while True:
             busy = self._busy()
             if not busy:
                 self._outbox.flush()  # before waiting for work
                 self._sync_files()
             idle_wait = None if self._lockstep is None else HEARTBEAT_SECONDS
+            block, timeout = not busy, idle_wait
+            if burst_ends is not None:
+                # The rest of a burst: each may come within the gap of the last.
+                timeout = min(BURST_GAP_SECONDS, burst_ends - time.monotonic())
+                block = timeout > 0
             try:
-                message = self._inbox.get(block=not busy, timeout=idle_wait)
+                message = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 if busy:
                     return True
@@ -385,6 +396,10 @@ class Engine:
                 case Stop():
                     return False
                 case Submit():
+                    if not self._sequences and burst_ends is None:
+                        # Requests that come together arrive over some milliseconds:
+                        # the first prefilled alone would hold the rest a step.
+                        burst_ends = time.monotonic() + BURST_SECONDS
                     self._waiting.append(message)
                 case Compute(request, future):
                     self._queue_job(request, future)

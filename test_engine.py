@@ -11,12 +11,14 @@ import json
 import logging
 import os
 import re
+import time
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import greedy_sampler
 
+import engine as engine_module
 from conftest import (
     ANSWER,
     ANSWER_PIECES,
@@ -25,6 +27,7 @@ from conftest import (
     TINY_LLAMA,
     chat_prompt,
     check_person,
+    collect,
     generation,
     load_engine,
     make_forcing_processor,
@@ -524,6 +527,49 @@ def test_mixed_bursts_share_within_each_group(sharing, reference):
     assert stats_after(sharing)["prompt_tokens_prefilled"] == sum(
         map(len, prompts)
     ) - sum(shared)
+
+
+def admissions(engine: Engine, delay: float) -> list[tuple[int, float]]:
+    """Two requests submitted ``delay`` seconds apart to the idle engine: the step at
+    which each joined the decoder, and the seconds after the first's submission."""
+    decoder, joined = engine._decoder, []
+    add = decoder.add
+
+    def record(sequence):
+        joined.append((engine._steps, time.monotonic()))
+        return add(sequence)
+
+    async def main():
+        start = time.monotonic()
+        first = asyncio.ensure_future(collect(engine, generation(engine, max_tokens=4)))
+        await asyncio.sleep(delay)
+        await asyncio.gather(
+            first, collect(engine, generation(engine, QUESTIONS[1], max_tokens=4))
+        )
+        return start
+
+    on_engine_thread(engine, lambda *_: setattr(decoder, "add", record))
+    try:
+        start = asyncio.run(main())
+    finally:
+        on_engine_thread(engine, lambda *_: delattr(decoder, "add"))
+    return [(step, at - start) for step, at in joined]
+
+
+def test_requests_that_wake_the_engine_together_prefill_together(sharing, monkeypatch):
+    """A request that wakes the idle engine waits for others arriving within the
+    gap, so a burst is prefilled in one step; a lone one waits only the gap."""
+    monkeypatch.setattr(engine_module, "BURST_GAP_SECONDS", 0.3)
+    monkeypatch.setattr(engine_module, "BURST_SECONDS", 2.0)
+    (first, _), (second, _) = admissions(sharing, 0.1)
+    assert first == second
+    monkeypatch.setattr(engine_module, "BURST_GAP_SECONDS", 0.1)
+    (_, waited), _ = admissions(sharing, 1.0)
+    assert 0.1 <= waited < 1.0
+    # Without the window the first is prefilled alone; the second joins later.
+    monkeypatch.setattr(engine_module, "BURST_SECONDS", 0.0)
+    (first, _), (second, _) = admissions(sharing, 0.1)
+    assert second > first
 
 
 def test_threads_cap_the_blas(monkeypatch):
