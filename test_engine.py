@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 
 import mlx.core as mx
@@ -720,6 +721,8 @@ def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
                 path.description,
             ), path.description
         assert stats_after(engine)["cpu_paced"] == int(path.paced)
+        # The event loop the measurement woke with each token is gone.
+        assert "pacing-loop" not in {t.name for t in threading.enumerate()}
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
     finally:
