@@ -17,7 +17,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import mlx.core as mx
@@ -202,12 +202,26 @@ class _Row:
     generated: int = 0
     kv_cache: list | None = None
     # Decayed counts of accepted and verified proposals: the acceptance estimate.
-    hits: float = 1.0
-    trials: float = 2.0
+    hits: float = field(init=False)
+    trials: float = field(init=False)
     # A cheap proposal's first token, checked against the next decoded one.
     guess: int | None = None
     rest_until: int = 0
     rest: int = FIRST_REST_TOKENS
+
+    def __post_init__(self):
+        self.reset_estimate()
+
+    def reset_estimate(self) -> None:
+        """The prior: a cheap proposer's guesses are checked for free while the
+        sequence decodes plainly, so it earns its estimate there from 0; nothing
+        checks a costly one's, which starts at one half."""
+        cheap = self.proposer is not None and self.proposer.cheap
+        self.hits, self.trials = 0.0 if cheap else 1.0, 2.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.trials
 
 
 class SpeculativeDecoder(Decoder):
@@ -257,10 +271,6 @@ class SpeculativeDecoder(Decoder):
         if sequence.draft_tokens > 0:
             proposer = self._make_proposer()
         row = _Row(sequence, list(sequence.prompt), proposer)
-        if proposer is not None and proposer.cheap:
-            # Its guesses are checked for free while it decodes plainly: it earns
-            # its estimate there before leaving the batch on a prior.
-            row.hits = 0.0
         row.inner = self._inner.add(sequence)
         self._rows[key] = row
         self._by_inner[row.inner] = key
@@ -331,8 +341,7 @@ class SpeculativeDecoder(Decoder):
         k = len(row.proposer.propose(row.tokens, length))
         # Leaving throws away the batch's step in flight: the first verification
         # must gain more than that step.
-        rate = row.hits / row.trials
-        return k > 0 and expected_tokens(rate, k) - self.costs[k] > LEAVE_COST
+        return k > 0 and expected_tokens(row.acceptance, k) - self.costs[k] > LEAVE_COST
 
     def _check_guess(self, row: _Row, tokens: tuple[int, ...]) -> None:
         """Score the last cheap proposal against the token plain decoding made, so
@@ -352,7 +361,7 @@ class SpeculativeDecoder(Decoder):
         row.rest = min(2 * row.rest, MAX_REST_TOKENS)
         if not row.proposer.cheap:
             # Nothing checks its proposals meanwhile: it gets a fresh estimate.
-            row.hits, row.trials = 1.0, 2.0
+            row.reset_estimate()
         self._join(row)
 
     def _leave(self, key: int, row: _Row) -> None:
@@ -391,9 +400,7 @@ class SpeculativeDecoder(Decoder):
         """The number of proposals this step should verify, at most."""
         remaining = row.sequence.max_tokens - row.generated
         limit = min(row.sequence.draft_tokens, remaining - 1)
-        return best_draft_length(
-            row.hits / row.trials, self.costs, limit, self.per_proposal
-        )
+        return best_draft_length(row.acceptance, self.costs, limit, self.per_proposal)
 
     def _speculate(self, key: int, row: _Row) -> StepResult | None:
         """One verification step of the lone sequence; None when it had nothing
