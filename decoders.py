@@ -420,14 +420,13 @@ def make_plain_decoder(
     return BatchDecoder(model, options, trimmable, pace)
 
 
-# Pacing is measured over one greedy decode in segments of alternating modes,
-# unpaced first, each timed only over its tail: after a switch the speed follows
-# slowly (on a 2-core Xeon unpaced steps slowed down over 10-20 steps, and paced
-# ones recovered within 8).
-PACING_SEGMENTS = 4
+# Pacing is measured over one greedy decode: a paced segment, then an unpaced one,
+# each timed only after it settles. On a 2-core Xeon unpaced steps ran at the paced
+# speed for 10-20 steps after a switch, then fell into spells 30% slower that lasted
+# 20-100 steps: the unpaced segment settles longer and is timed longer.
 PACING_WARMUP = 4
-PACING_SETTLE_S = {False: 0.4, True: 0.2}
-PACING_TIMED_S = 0.22
+# (paced, seconds to settle, seconds timed), in order.
+PACING_SEGMENTS = ((True, 0.25, 0.45), (False, 0.45, 1.0))
 PACING_MAX_SEGMENT_TOKENS = 64
 # Pacing saves some ms a step: the slower steps of a model too big for the CPU
 # are not measured.
@@ -447,8 +446,8 @@ def measured_once(model: nn.Module, key: tuple, measure: Callable[[], object]):
 
 
 def measure_pacing(model: nn.Module, options: LoadOptions) -> list[tuple[float, float]]:
-    """One stream's tokens/s with paced and unpaced steps, (paced, unpaced) for
-    each pair of segments; empty when a step is too slow for pacing to matter.
+    """One stream's tokens/s with paced and unpaced steps, as one (paced,
+    unpaced) round; empty when a step is too slow for pacing to matter.
 
     One decode serves both: a switch takes effect at the next step. Each token
     wakes an event loop on another thread, as a served token wakes the server's.
@@ -462,7 +461,7 @@ def measure_pacing(model: nn.Module, options: LoadOptions) -> list[tuple[float, 
     batch = BatchGenerator(
         model, prefill_step_size=options.prefill_step_size, stream=thread_stream()
     )
-    tokens = PACING_WARMUP + PACING_SEGMENTS * 2 * PACING_MAX_SEGMENT_TOKENS
+    tokens = PACING_WARMUP + len(PACING_SEGMENTS) * 2 * PACING_MAX_SEGMENT_TOKENS
     batch.insert(
         [list(range(1, 9))],
         max_tokens=[tokens + 1],
@@ -480,7 +479,7 @@ def measure_pacing(model: nn.Module, options: LoadOptions) -> list[tuple[float, 
         return min(max(least, round(seconds / step_s)), PACING_MAX_SEGMENT_TOKENS)
 
     ticks = arrivals()
-    figures: dict[bool, list[float]] = {True: [], False: []}
+    figures: dict[bool, float] = {}
     loop = asyncio.new_event_loop()
     # Serving wakes the event loop's thread with each step's tokens, and that wake
     # slows unpaced steps on some CPUs (measured without it, they looked as fast as
@@ -496,20 +495,19 @@ def measure_pacing(model: nn.Module, options: LoadOptions) -> list[tuple[float, 
                 "a decode step takes %.0f ms: pacing not measured", step_s * 1e3
             )
             return []
-        timed = tokens_for(PACING_TIMED_S, 3)
-        for segment in range(PACING_SEGMENTS):
-            paced = segment % 2 == 1
-            for _ in range(tokens_for(PACING_SETTLE_S[paced], 2)):
+        for paced, settle_s, timed_s in PACING_SEGMENTS:
+            timed = tokens_for(timed_s, 3)
+            for _ in range(tokens_for(settle_s, 2)):
                 start = next(ticks)
             for _ in range(timed):
                 end = next(ticks)
-            figures[paced].append(timed / (end - start))
+            figures[paced] = timed / (end - start)
     finally:
         batch.close()
         loop.call_soon_threadsafe(loop.stop)
         waker.join()
         loop.close()
-    return list(zip(figures[True], figures[False]))
+    return [(figures[True], figures[False])]
 
 
 def make_pacing(model: nn.Module, options: LoadOptions, alone: bool, environ) -> Pacing:

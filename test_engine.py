@@ -607,7 +607,7 @@ def test_threads_cap_the_blas(monkeypatch):
 
 
 def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
-    # (paced, unpaced) tok/s per round: pacing must win on average by 1%.
+    # (paced, unpaced) tok/s per round: unpaced steps must win on average by 5%.
     slower = [(30.0, 39.0), (31.0, 38.0), (29.0, 40.0)]
     pacing = choose_pacing("auto", slower)
     assert not pacing.paced
@@ -615,12 +615,15 @@ def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
         "CPU pacing off (auto, measured: tok/s paced 30.0, unpaced 39.0; "
         "paced/unpaced by round 0.77, 0.82, 0.72)"
     )
+    assert choose_pacing("auto", [(40.0, 41.9)]).describe() == (
+        "CPU pacing on (auto, measured: tok/s paced 40.0, unpaced 41.9)"
+    )
+    assert not choose_pacing("auto", [(40.0, 42.1)]).paced
     assert choose_pacing("auto", [(40.0, 33.0), (41.0, 34.0)]).paced
     # A round that the machine's noise turned around doesn't veto the others.
-    assert choose_pacing("auto", [(44.0, 40.0), (39.0, 40.0)]).paced
-    # A tie, or a win under the margin, keeps mlx-lm's own step.
-    assert not choose_pacing("auto", [(40.0, 33.0), (33.0, 40.0)]).paced
-    assert not choose_pacing("auto", [(40.3, 40.0), (40.3, 40.0)]).paced
+    assert not choose_pacing("auto", [(34.0, 40.0), (41.0, 40.0)]).paced
+    # A tie paces: unpaced steps' losses come in spells a short measurement misses.
+    assert choose_pacing("auto", [(40.0, 33.0), (33.0, 40.0)]).paced
     assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
     assert choose_pacing("on", slower).describe() == "CPU pacing on (cpu_pacing:on)"
     assert not choose_pacing("off", [(40.0, 33.0)]).paced
@@ -717,7 +720,7 @@ def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
         if on_cpu:
             assert re.search(
                 r"CPU pacing (on|off) \(auto, measured: tok/s paced [\d.]+, "
-                r"unpaced [\d.]+; paced/unpaced by round [\d.]+(, [\d.]+)+\)",
+                r"unpaced [\d.]+\)",
                 path.description,
             ), path.description
         assert stats_after(engine)["cpu_paced"] == int(path.paced)
