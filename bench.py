@@ -264,16 +264,15 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
     for server in servers.values():  # warm every side once
         server_decode(server.stub, 16, eos)
     library_decode(model, tokenizer, 16, eos)
-    plain = {
-        name: partial(server_decode, server.stub, tokens, eos, server.process.pid)
-        for name, server in servers.items()
-    }
     # Auto's plain runs sit right after the fixed modes' and before the grammar's,
     # which are all compared with them directly.
     sides = {
-        "off": plain["off"],
-        "on": plain["on"],
-        "auto": plain["auto"],
+        name: partial(
+            server_decode, servers[name].stub, tokens, eos, servers[name].process.pid
+        )
+        for name in ("off", "on", "auto")
+    }
+    sides |= {
         "grammar": partial(
             server_decode, auto, tokens, eos, auto_pid, Grammar=STORY_SCHEMA
         ),
