@@ -59,27 +59,27 @@ run: install
 	./run.sh --addr $(ADDR) --model $(MODEL)
 
 # In-process engine tests run MLX inside pytest, on the fast BLAS the backend's
-# re-exec preloads (cpu_path.py prints that environment; nothing off Linux CPU).
+# re-exec preloads (mlx_backend.cpu.path prints that environment; nothing off Linux CPU).
 # Two workers, a file each: most of the time is spent waiting on backend processes.
 test: install $(VENV)/.test-installed
-	env $$($(PY) cpu_path.py) $(PY) -m pytest -v -n 2 --dist loadfile test_python_utils.py test_units.py test_gguf_loader.py test_mlx_cache.py test_quantized_kv.py test_lora.py test_prompt_cache_files.py test_detokenizer.py test_engine.py test_speculative.py test_distributed.py test.py test_chat_output.py test_logprobs_score_embedding.py test_grammar.py test_fuzz.py test_localai_suite.py
+	env $$($(PY) -m mlx_backend.cpu.path) $(PY) -m pytest -v -n 2 --dist loadfile
 
 # LocalAI's backend e2e specs (tests/e2e-backends), as LocalAI runs them, against the run.sh
 # and model its variables name: BACKEND_BINARY, BACKEND_TEST_MODEL_FILE, BACKEND_TEST_CAPS,
 # BACKEND_TEST_OPTIONS (default: this run.sh and the embedded GGUF as model.bin).
 e2e-localai: install $(VENV)/.test-installed
-	$(PY) -m pytest -v test_localai_suite.py
+	$(PY) -m pytest -v tests/test_localai_suite.py
 
 # Mixed concurrent load against a real backend for SOAK_MINUTES: errors, latency, RSS.
 soak: install $(VENV)/.test-installed
-	$(PY) soak.py --minutes $(SOAK_MINUTES)
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES)
 
 $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
 bench: install $(VENV)/.test-installed $(VENV)/.bench-installed
-	$(PY) bench.py
+	$(PY) -m bench.bench
 
 clean:
 	rm -rf $(VENV) $(STUBS) __pycache__ .pytest_cache

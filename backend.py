@@ -27,11 +27,15 @@ from grpc_reflection.v1alpha import reflection
 
 import backend_pb2
 import backend_pb2_grpc
-from chat_output import Delta, merge_deltas
-from cpu_path import maybe_reexec_with_fast_blas
-from distributed import LOST, launched_rank, run_worker, worker_settings
-from engine import Engine
-from errors import (
+from mlx_backend.cpu.path import maybe_reexec_with_fast_blas
+from mlx_backend.distributed.group import (
+    LOST,
+    launched_rank,
+    run_worker,
+    worker_settings,
+)
+from mlx_backend.engine.engine import Engine
+from mlx_backend.errors import (
     Aborted,
     BackendError,
     FailedPrecondition,
@@ -41,23 +45,24 @@ from errors import (
     Unavailable,
     Unimplemented,
 )
-from lora import make_adapters
-from model_loading import ModelInfo
-from python_utils import (
-    apply_cache_types,
-    parse_duration,
-    parse_options,
-    render_sample_chat,
-    switched_off,
-)
-from reply_pipeline import Finished, TokenLogprob
-from request_parsing import (
+from mlx_backend.models.loading import ModelInfo
+from mlx_backend.models.lora import make_adapters
+from mlx_backend.output.chat_output import Delta, merge_deltas
+from mlx_backend.output.reply_pipeline import Finished, TokenLogprob
+from mlx_backend.request_parsing import (
     GenerationRequest,
     check_tokens,
     parse_embedding,
     parse_generation,
     parse_prompt,
     parse_score,
+)
+from python_utils import (
+    apply_cache_types,
+    parse_duration,
+    parse_options,
+    render_sample_chat,
+    switched_off,
 )
 
 logger = logging.getLogger(__name__)

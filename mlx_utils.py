@@ -13,9 +13,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import dequantize_model
 
-from errors import InvalidArgument
+from mlx_backend.caches.quantized_kv import QuantizedKVCache, StagedKVCache
+from mlx_backend.errors import InvalidArgument
 from python_utils import LoadOptions
-from quantized_kv import QuantizedKVCache, StagedKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from mlx_lm import tool_parsers
 
-from errors import InvalidArgument
+from mlx_backend.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cach
 
 from mlx_cache import ThreadSafeLRUPromptCache, cache_nbytes
 
+pytestmark = pytest.mark.unit
+
 
 class FakeLayer:
     """One layer's KV cache: remembers the tokens it holds, 10 bytes a token."""

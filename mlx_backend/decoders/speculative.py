@@ -1,0 +1,546 @@
+"""Speculative decoding: a sequence that runs alone proposes tokens, and the model
+checks them all in one forward pass.
+
+Proposals come from prompt lookup (``NgramProposer``: the tokens that followed the
+latest earlier occurrence of the sequence's last n tokens). Verification samples
+every proposed position with the request's own processors and sampler, keeps the
+proposals up to the first one the model disagrees with, and then the model's own
+token there. The output is what plain decoding gives, greedy and seeded alike:
+``SeededSampler`` keys each draw by its position.
+
+``SpeculativeDecoder`` wraps the plain decoder. While that holds one decoding
+sequence with a proposal, the sequence leaves it and speculates; when another
+arrives it goes back with its KV cache, and the batch decodes as before.
+"""
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+
+from mlx_backend.caches.quantized_kv import QuantizedKVCache
+from mlx_backend.decoders.base import (
+    Decoder,
+    KVState,
+    NewSequence,
+    StepResult,
+    make_plain_decoder,
+    measured_once,
+    thread_stream,
+)
+from mlx_backend.sampling import SeededSampler
+from mlx_utils import gather_logprobs, make_kv_cache, model_signature
+from python_utils import LoadOptions
+
+logger = logging.getLogger(__name__)
+
+# A sequence whose proposals stop paying decodes in the batch again, for a number
+# of tokens that doubles each time.
+FIRST_BACKOFF_TOKENS = 16
+MAX_BACKOFF_TOKENS = 1024
+# Verifying must promise this many times the tokens per second of one plain step:
+# lone steps are not pipelined as the batch's are.
+MIN_GAIN = 1.3
+# Acceptance estimates decay by this factor per verification.
+ACCEPTANCE_DECAY = 0.9
+# Plain steps a sequence loses when it leaves the batch to speculate.
+LEAVE_COST = 1.0
+
+
+class NgramProposer:
+    """Prompt lookup over a sequence's tokens (prompt and output).
+
+    Each n-gram maps to where the tokens that followed its latest occurrence start,
+    so a proposal costs a few dictionary lookups whatever the sequence's length.
+    """
+
+    # Proposals cost nothing: they can be checked against plain decoding's tokens.
+    cheap = True
+
+    def __init__(self, n_min: int, n_max: int):
+        self._sizes = range(n_max, n_min - 1, -1)
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens to follow ``tokens`` (which only ever grows)."""
+        for end in range(self._indexed, len(tokens)):
+            # The n-grams that end just before ``end`` are followed by it.
+            for n in self._sizes:
+                if end >= n:
+                    self._index[tuple(tokens[end - n : end])] = end
+        self._indexed = len(tokens)
+        for n in self._sizes:
+            start = self._index.get(tuple(tokens[-n:]))
+            if start is not None and len(tokens) >= n:
+                return tokens[start : start + limit]
+        return []
+
+    def rewind(self, accepted: int, proposed: int) -> None:
+        pass
+
+
+class DraftProposer:
+    """Greedy proposals from a small model with the model's vocabulary.
+
+    It keeps its own KV cache of the sequence, catches up on tokens it has not
+    seen (while the sequence decoded in the batch), and is rewound past the
+    proposals the model rejected.
+    """
+
+    cheap = False
+
+    def __init__(self, model: nn.Module, prefill_step_size: int):
+        self._model = model
+        self._step_size = prefill_step_size
+        self._cache: list | None = None
+        # Tokens of the sequence in the draft's KV cache, and proposals fed to it.
+        self._fed = 0
+        self._proposed = 0
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        if limit < 1:
+            return []
+        if self._cache is None:
+            self._cache = make_prompt_cache(self._model)
+        unseen = tokens[self._fed : -1]
+        for start in range(0, len(unseen), self._step_size):
+            chunk = mx.array(unseen[start : start + self._step_size])
+            self._model(chunk[None], cache=self._cache)
+            mx.eval([c.state for c in self._cache])
+        y = mx.array(tokens[-1:])
+        proposals = []
+        for _ in range(limit):
+            y = mx.argmax(self._model(y[None], cache=self._cache)[0, -1:], axis=-1)
+            mx.async_eval(y)
+            proposals.append(y)
+        # Fed: the sequence and every proposal but the last.
+        self._fed, self._proposed = len(tokens), limit - 1
+        return mx.concatenate(proposals).tolist()
+
+    def rewind(self, accepted: int, proposed: int) -> None:
+        """Keep the accepted proposals in the draft's KV cache, drop the rest."""
+        kept = min(accepted, self._proposed)
+        trim_prompt_cache(self._cache, self._proposed - kept)
+        self._fed += kept
+        self._proposed = 0
+
+
+def measure_verify_costs(
+    model: nn.Module, max_draft: int, draft: nn.Module | None = None, repeats: int = 2
+) -> tuple[tuple[float, ...], float]:
+    """What a forward pass over 1 + k tokens costs relative to one token, for k
+    up to ``max_draft`` (measured on this machine with the loaded model at a few
+    k, linear between them); and what one token's pass of ``draft`` costs."""
+
+    def seconds(net: nn.Module, cache: list, n: int) -> float:
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            mx.eval(net(mx.zeros((1, n), mx.uint32), cache=cache))
+            samples.append(time.perf_counter() - start)
+            trim_prompt_cache(cache, n)
+        return statistics.median(samples[1:])
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 32), mx.uint32), cache=cache))
+    measured = {
+        k: seconds(model, cache, k + 1) for k in sorted({0, 1, 2, 4, max_draft})
+    }
+    points = sorted(measured)
+    costs = []
+    for k in range(max_draft + 1):
+        above = next(p for p in points if p >= k)
+        below = max(p for p in points if p <= k)
+        share = 0 if above == below else (k - below) / (above - below)
+        pass_seconds = measured[below] + share * (measured[above] - measured[below])
+        costs.append(pass_seconds / measured[0])
+    per_proposal = 0.0
+    if draft is not None:
+        cache = make_prompt_cache(draft)
+        mx.eval(draft(mx.zeros((1, 32), mx.uint32), cache=cache))
+        per_proposal = seconds(draft, cache, 1) / measured[0]
+    return tuple(costs), per_proposal
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """The tokens one verification of ``k`` proposals yields when each holds
+    with probability ``rate``: the accepted ones and the model's own."""
+    return sum(rate**i for i in range(k + 1))
+
+
+def best_draft_length(
+    rate: float, costs: tuple[float, ...], available: int, per_proposal: float = 0.0
+) -> int:
+    """How many of ``available`` proposals to verify for the most tokens per
+    second (0: none), when each holds with probability ``rate``, a pass over
+    1 + k tokens costs ``costs[k]`` single-token passes, and making a proposal
+    costs ``per_proposal`` of one."""
+    best, best_gain = 0, MIN_GAIN
+    for k in range(1, min(available, len(costs) - 1) + 1):
+        gain = expected_tokens(rate, k) / (costs[k] + k * per_proposal)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+@dataclass(eq=False)
+class _SpeculativeRow:
+    """A sequence the speculative decoder holds, in the inner decoder or alone."""
+
+    sequence: NewSequence
+    # Prompt and generated tokens; while alone, the last is not in the KV cache yet.
+    tokens: list[int]
+    proposer: NgramProposer | DraftProposer | None
+    inner: int | None = None
+    generated: int = 0
+    kv_cache: list | None = None
+    # Decayed counts of accepted and verified proposals: the acceptance estimate.
+    hits: float = field(init=False)
+    trials: float = field(init=False)
+    # A cheap proposal's first token, checked against the next decoded one.
+    guess: int | None = None
+    backoff_until: int = 0
+    backoff: int = FIRST_BACKOFF_TOKENS
+
+    def __post_init__(self):
+        self.reset_estimate()
+
+    def reset_estimate(self) -> None:
+        """The prior: a cheap proposer's guesses are checked for free while the
+        sequence decodes plainly, so it earns its estimate there from 0; nothing
+        checks a costly one's, which starts at one half."""
+        cheap = self.proposer is not None and self.proposer.cheap
+        self.hits, self.trials = 0.0 if cheap else 1.0, 2.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.trials
+
+
+class SpeculativeDecoder(Decoder):
+    """Speculation for a lone sequence around a plain decoder."""
+
+    def __init__(
+        self,
+        inner: Decoder,
+        model: nn.Module,
+        num_draft_tokens: int,
+        make_proposer: Callable[[], NgramProposer | DraftProposer],
+        costs: tuple[float, ...] | None = None,
+        per_proposal: float = 0.0,
+    ):
+        """``make_proposer`` makes each sequence's proposer. ``costs``: what a pass
+        over 1 + k tokens costs relative to one token, and ``per_proposal`` what
+        making one proposal does; measured on the model when not given."""
+        self._inner = inner
+        self._model = model
+        self._make_proposer = make_proposer
+        self._rows: dict[int, _SpeculativeRow] = {}
+        self._by_inner: dict[int, int] = {}
+        self._lone: int | None = None
+        self._next_key = 0
+        self._lone_steps = 0
+        self._lone_tokens = 0
+        self.capabilities = inner.capabilities
+        if costs is None:
+            costs, per_proposal = measure_verify_costs(model, max(num_draft_tokens, 8))
+        self.costs, self.per_proposal = costs, per_proposal
+
+    # Decode steps and their tokens: the inner decoder's and the lone sequence's.
+    @property
+    def batch_steps(self) -> int:
+        return self._inner.batch_steps + self._lone_steps
+
+    @property
+    def batch_tokens(self) -> int:
+        return self._inner.batch_tokens + self._lone_tokens
+
+    def add(self, sequence: NewSequence) -> int:
+        if self._lone is not None:
+            self._back_to_batch(self._rows[self._lone])
+        key = self._next_key
+        self._next_key += 1
+        proposer = None
+        if sequence.draft_tokens > 0:
+            proposer = self._make_proposer()
+        row = _SpeculativeRow(sequence, list(sequence.prompt), proposer)
+        row.inner = self._inner.add(sequence)
+        self._rows[key] = row
+        self._by_inner[row.inner] = key
+        return key
+
+    def step(self) -> list[StepResult]:
+        if self._lone is None and len(self._rows) == 1:
+            key, row = next(iter(self._rows.items()))
+            if self._worth_speculating(row):
+                self._leave_batch(key, row)
+        if self._lone is not None:
+            # On the batch's stream: on a CPU each stream's worker thread has its
+            # own BLAS threads, which would spin against the batch's after a step.
+            with mx.stream(thread_stream()):
+                result = self._speculate(self._lone, self._rows[self._lone])
+            if result is not None:
+                return [result]
+        alone = len(self._rows) == 1
+        results = []
+        for result in self._inner.step():
+            key = self._by_inner.get(result.key)
+            if key is None:
+                continue
+            row = self._rows[key]
+            row.generated += len(result.tokens)
+            if row.proposer is not None:
+                row.tokens.extend(result.tokens)
+                if alone and row.proposer.cheap:
+                    self._check_guess(row, result.tokens)
+            if result.done:
+                del self._rows[key], self._by_inner[result.key]
+            results.append(replace(result, key=key))
+        return results
+
+    def remove(self, key: int, keep_state: bool = True) -> KVState | None:
+        row = self._rows.pop(key, None)
+        if row is None:
+            return None
+        if row.inner is not None:
+            del self._by_inner[row.inner]
+            return self._inner.remove(row.inner, keep_state)
+        self._lone = None
+        return KVState(row.kv_cache, row.tokens[:-1]) if keep_state else None
+
+    def reset(self) -> None:
+        self._forget()
+        self._inner.reset()
+
+    def close(self) -> None:
+        self._forget()
+        self._inner.close()
+
+    def _forget(self) -> None:
+        self._rows.clear()
+        self._by_inner.clear()
+        self._lone = None
+
+    # -- moving between the inner decoder and speculation --------------------
+
+    def _worth_speculating(self, row: _SpeculativeRow) -> bool:
+        """Whether the sequence alone in the batch should leave it: it is decoding,
+        is not backing off, and has a proposal worth verifying."""
+        if (
+            row.proposer is None
+            or row.generated < 1
+            or row.generated < row.backoff_until
+        ):
+            return False
+        length = self._best_length(row)
+        if not row.proposer.cheap:
+            return length > 0
+        k = len(row.proposer.propose(row.tokens, length))
+        # Leaving throws away the batch's step in flight: the first verification
+        # must gain more than that step.
+        return k > 0 and expected_tokens(row.acceptance, k) - self.costs[k] > LEAVE_COST
+
+    def _check_guess(self, row: _SpeculativeRow, tokens: tuple[int, ...]) -> None:
+        """Score the last cheap proposal against the token plain decoding made, so
+        the acceptance estimate follows the text while the sequence decodes plainly."""
+        if row.guess is not None and tokens:
+            self._observe(row, 1, int(tokens[0] == row.guess))
+        guess = row.proposer.propose(row.tokens, 1)
+        row.guess = guess[0] if guess else None
+
+    def _observe(self, row: _SpeculativeRow, proposed: int, accepted: int) -> None:
+        row.hits = ACCEPTANCE_DECAY * row.hits + accepted
+        row.trials = ACCEPTANCE_DECAY * row.trials + accepted + (accepted < proposed)
+
+    def _back_off(self, row: _SpeculativeRow) -> None:
+        """Back to plain decoding in the inner decoder for a while."""
+        row.backoff_until = row.generated + row.backoff
+        row.backoff = min(2 * row.backoff, MAX_BACKOFF_TOKENS)
+        if not row.proposer.cheap:
+            # Nothing checks its proposals meanwhile: it gets a fresh estimate.
+            row.reset_estimate()
+        self._back_to_batch(row)
+
+    def _leave_batch(self, key: int, row: _SpeculativeRow) -> None:
+        """Take the sequence out of the inner decoder to speculate alone."""
+        state = self._inner.remove(row.inner)
+        del self._by_inner[row.inner]
+        if state is None:
+            # The engine loop aborts every stream rather than let this one hang.
+            raise RuntimeError("a decoding sequence had no KV state to speculate from")
+        # The inner decoder has already run the last token: it is verified again.
+        trim_prompt_cache(state.cache, 1)
+        row.kv_cache, row.inner = state.cache, None
+        row.guess = None
+        self._lone = key
+
+    def _back_to_batch(self, row: _SpeculativeRow) -> None:
+        """Put the lone sequence back into the inner decoder, with its KV cache."""
+        sequence = row.sequence
+        row.inner = self._inner.add(
+            replace(
+                sequence,
+                prompt=tuple(row.tokens),
+                rest=(row.tokens[-1],),
+                kv_cache=row.kv_cache,
+                max_tokens=sequence.max_tokens - row.generated,
+                snapshots=(),
+            )
+        )
+        self._by_inner[row.inner] = self._lone
+        row.kv_cache = None
+        self._lone = None
+
+    # -- speculation --------------------------------------------------------
+
+    def _best_length(self, row: _SpeculativeRow) -> int:
+        """The number of proposals this step should verify, at most."""
+        remaining = row.sequence.max_tokens - row.generated
+        limit = min(row.sequence.draft_tokens, remaining - 1)
+        return best_draft_length(row.acceptance, self.costs, limit, self.per_proposal)
+
+    def _speculate(self, key: int, row: _SpeculativeRow) -> StepResult | None:
+        """One verification step of the lone sequence; None when it had nothing
+        worth verifying and went back to the inner decoder."""
+        sequence = row.sequence
+        try:
+            draft = row.proposer.propose(row.tokens, self._best_length(row))
+            if not draft:
+                # The batch's pipelined step beats a lone one; back when there is more.
+                self._back_to_batch(row)
+                return None
+            tokens, logprobs = self._verify(row, draft)
+        except Exception as e:
+            logger.exception("speculative generation failed")
+            del self._rows[key]
+            self._lone = None
+            return StepResult(key, done=True, error=e.with_traceback(None))
+        accepted = next(
+            (i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d), len(draft)
+        )
+        emitted = tokens[: accepted + 1]
+        row.proposer.rewind(accepted, len(draft))
+        # The cache holds the last token and every proposal; keep the accepted ones.
+        trim_prompt_cache(row.kv_cache, len(draft) - accepted)
+        row.tokens.extend(emitted)
+        row.generated += len(emitted)
+        if isinstance(sequence.sampler, SeededSampler):
+            # Rejected positions are drawn again, by whichever decoder runs next.
+            sequence.sampler.position = row.generated
+        self._lone_steps += 1
+        self._lone_tokens += len(emitted)
+        self._observe(row, len(draft), accepted)
+        if accepted:
+            row.backoff = FIRST_BACKOFF_TOKENS
+        self.draft_proposed += len(draft)
+        self.draft_accepted += accepted
+        scored = [None] * len(emitted)
+        if sequence.logprobs is not None:
+            scored = gather_logprobs(
+                list(logprobs[: len(emitted)]), emitted, sequence.logprobs
+            )
+        done = row.generated >= sequence.max_tokens
+        state = None
+        if done:
+            state = KVState(row.kv_cache, row.tokens[:-1])
+            del self._rows[key]
+            self._lone = None
+        elif self._best_length(row) == 0:
+            # Proposals stopped paying.
+            self._back_off(row)
+        return StepResult(
+            key,
+            tuple(emitted),
+            tuple(scored),
+            done=done,
+            state=state,
+            proposed=len(draft),
+            accepted=accepted,
+        )
+
+    def _verify(
+        self, row: _SpeculativeRow, draft: list[int]
+    ) -> tuple[list[int], mx.array]:
+        """The model's token at the last token and after each proposal, sampled with
+        the request's processors and sampler; and their log probabilities."""
+        sequence = row.sequence
+        inputs = [row.tokens[-1], *draft]
+        logits = self._model(mx.array(inputs)[None], cache=row.kv_cache)[0]
+        if sequence.processors:
+            # Each position sees the tokens before it (penalties look back
+            # ``history`` tokens), as plain decoding would have shown it.
+            context = mx.array(row.tokens[-sequence.history :] + draft)
+            head = min(len(row.tokens), sequence.history)
+            rows = []
+            for i in range(len(inputs)):
+                position = logits[i : i + 1]
+                for processor in sequence.processors:
+                    position = processor(context[: head + i], position)
+                rows.append(position)
+            logits = mx.concatenate(rows)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampler = sequence.sampler
+        if isinstance(sampler, SeededSampler):
+            sampler.position = row.generated
+        tokens = sampler(logprobs)
+        mx.eval(tokens, logprobs)
+        return tokens.tolist(), logprobs
+
+
+def make_decoder(
+    model: nn.Module,
+    options: LoadOptions,
+    draft: nn.Module | None = None,
+    pace: bool = False,
+) -> Decoder:
+    """The decoder for a loaded model: the plain one (batched when its KV caches
+    can be merged, with paced CPU steps when ``pace``), speculating for a lone
+    sequence with ``draft`` or n-gram prompt lookup, unless that is off or the KV
+    caches only rotate."""
+    inner = make_plain_decoder(model, options, pace)
+    # Rotating (sliding-window) caches cannot always be trimmed back.
+    growing = all(
+        isinstance(c, (KVCache, QuantizedKVCache))
+        for c in make_kv_cache(model, options)
+    )
+    if options.speculative == "off" or options.num_draft_tokens == 0 or not growing:
+        logger.info("speculative decoding is off")
+        return inner
+    max_draft = max(options.num_draft_tokens, 8)
+    drafting = draft if options.speculative != "ngram" else None
+    costs, per_proposal = measured_once(
+        model,
+        ("verify costs", max_draft, drafting and model_signature(drafting, {})),
+        partial(measure_verify_costs, model, max_draft, drafting),
+    )
+    if draft is not None and options.speculative in ("auto", "draft"):
+        proposer = "the draft model"
+        make_proposer = partial(DraftProposer, draft, options.prefill_step_size)
+    else:
+        n_min, n_max = options.ngram_min, options.ngram_max
+        proposer = f"n-gram prompt lookup (n {n_min}-{n_max})"
+        make_proposer = partial(NgramProposer, n_min, n_max)
+    logger.info(
+        "speculative decoding: %s, up to %d tokens a step; one pass over 1+k tokens "
+        "costs %s times one token (k = 1..%d), a proposal %.2f",
+        proposer,
+        options.num_draft_tokens,
+        ", ".join(f"{c:.2f}" for c in costs[1:]),
+        max_draft,
+        per_proposal,
+    )
+    return SpeculativeDecoder(
+        inner,
+        model,
+        options.num_draft_tokens,
+        make_proposer,
+        costs=costs,
+        per_proposal=per_proposal,
+    )

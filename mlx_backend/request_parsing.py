@@ -1,0 +1,260 @@
+"""Request parsing: each RPC's proto parsed once into a frozen request for the engine."""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlx_backend.caches.prompt_files import confine
+from mlx_backend.engine.jobs import EmbeddingRequest, ScoreRequest
+from mlx_backend.errors import FailedPrecondition, InvalidArgument
+from mlx_backend.grammar import CompiledGrammar
+from mlx_backend.models.loading import ModelInfo
+from mlx_backend.output.chat_output import OutputOptions
+from python_utils import (
+    MAX_DRAFT_TOKENS,
+    TemplateArgs,
+    check_sampling,
+    convert_messages,
+    encode_prompt,
+    parse_logit_bias,
+    parse_logprobs,
+    parse_template_args,
+    parse_tool_choice,
+    parse_tools,
+    render_chat,
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_context_size: int = 64
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptFile:
+    """``PromptCachePath``: a file the prompt's KV state is restored from, and
+    saved to once the request is served."""
+
+    path: Path
+    # PromptCacheAll: save the generated tokens' state too.
+    everything: bool = False
+    # PromptCacheRO: restore only, never write.
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One parsed generation request, ready for the engine thread."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    output: OutputOptions = OutputOptions()
+    # Logprobs with this many alternatives per token; None: no logprobs.
+    logprobs: int | None = None
+    grammar: CompiledGrammar | None = None
+    # Logits processors run after the request's own, the grammar included: a hook
+    # for constraints that no request field expresses (tests force tokens with it).
+    processors: tuple[Callable, ...] = ()
+    # Proposed tokens a speculative step may verify (NDraft); None: the load option.
+    draft_tokens: int | None = None
+    # The load the prompt was tokenized for; a request for a replaced model is refused.
+    load_id: int = 0
+    prompt_file: PromptFile | None = None
+
+
+def _pick(requested, default, fallback):
+    """A request field overrides the LoadModel option; proto3's zero means unset."""
+    if requested:
+        return requested
+    return fallback if default is None else default
+
+
+# The PredictOptions field of each checked sampling value.
+SAMPLING_FIELDS = {
+    "temperature": "Temperature",
+    "top_p": "TopP",
+    "min_p": "MinP",
+    "repetition_penalty": "Penalty",
+    "frequency_penalty": "FrequencyPenalty",
+    "presence_penalty": "PresencePenalty",
+}
+
+
+def parse_sampling(request, info: ModelInfo) -> SamplingParams:
+    opts = info.options
+    values = {
+        name: _pick(
+            check_sampling(field, name, getattr(request, field)),
+            getattr(opts, name),
+            0.0,
+        )
+        for name, field in SAMPLING_FIELDS.items()
+    }
+    if request.TopK < 0:
+        raise InvalidArgument("TopK must not be negative")
+    top_k = _pick(request.TopK, opts.top_k, 0)
+    return SamplingParams(
+        **values,
+        # Keeping the whole vocabulary or more filters nothing.
+        top_k=top_k if top_k < info.vocab_size else 0,
+        repetition_context_size=opts.repetition_context_size,
+        seed=request.Seed if request.Seed >= 0 else None,
+        logit_bias=parse_logit_bias(request.LogitBias, info.vocab_size),
+    )
+
+
+def is_chat(request) -> bool:
+    return bool(request.UseTokenizerTemplate and request.Messages)
+
+
+def parse_prompt(request, info: ModelInfo) -> tuple[list[int], TemplateArgs]:
+    """Prompt token ids (the chat template over ``Messages``, or ``Prompt`` as given),
+    and the template arguments (of a raw prompt: only its tools)."""
+    if is_chat(request):
+        args = parse_template_args(
+            request.Tools,
+            request.ToolChoice,
+            dict(request.Metadata),
+            info.options.enable_thinking,
+        )
+        messages = convert_messages(request.Messages)
+        return render_chat(info.tokenizer, messages, args), args
+    # Malformed Tools is refused whatever the prompt.
+    tools = parse_tools(request.Tools)
+    return encode_prompt(info.tokenizer, request.Prompt), TemplateArgs(tools=tools)
+
+
+def parse_output(
+    request, info: ModelInfo, prompt: list[int], args: TemplateArgs
+) -> OutputOptions:
+    """How the reply is classified, as the model marks it up: chat requests, and raw
+    prompts (LocalAI's Go templates) that carry Tools or end inside thinking."""
+    tokenizer = info.tokenizer
+    # A prompt that opens the assistant turn inside thinking ends there.
+    opened = tokenizer.has_thinking and tokenizer.rfind_think_start(
+        prompt
+    ) > tokenizer.rfind_think_end(prompt)
+    if not is_chat(request) and not args.tools and not opened:
+        return OutputOptions()  # a plain completion: raw text
+    return OutputOptions(
+        classify=True,
+        reasoning_open=opened,
+        parse_tool_calls=parse_tool_choice(request.ToolChoice) != "none",
+        tools=args.tools,
+    )
+
+
+def parse_generation(request, info: ModelInfo) -> GenerationRequest:
+    """Parse ``PredictOptions`` once into the engine's request type."""
+    sampling = parse_sampling(request, info)
+    prompt, args = parse_prompt(request, info)
+    if not prompt:
+        raise InvalidArgument("Prompt: the prompt is empty (set Prompt or Messages)")
+    room = info.context_size - len(prompt)
+    if room <= 0:
+        raise InvalidArgument(
+            f"Prompt: the prompt has {len(prompt)} tokens, which does not fit the "
+            f"context size of {info.context_size} tokens"
+        )
+    limit = request.Tokens if request.Tokens > 0 else info.options.max_tokens
+    if not 0 <= request.NDraft <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument(f"NDraft must be between 0 and {MAX_DRAFT_TOKENS}")
+    return GenerationRequest(
+        prompt=tuple(prompt),
+        max_tokens=min(limit or room, room),
+        sampling=sampling,
+        stop=tuple(s for s in request.StopPrompts if s),
+        ignore_eos=request.IgnoreEOS,
+        output=parse_output(request, info, prompt, args),
+        logprobs=parse_logprobs(request.Logprobs, request.TopLogprobs),
+        grammar=info.grammars.compile(request.Grammar) if request.Grammar else None,
+        draft_tokens=request.NDraft or None,
+        load_id=info.load_id,
+        prompt_file=parse_prompt_file(request, info),
+    )
+
+
+def parse_prompt_file(request, info: ModelInfo) -> PromptFile | None:
+    if not request.PromptCachePath:
+        return None
+    return PromptFile(
+        confine(request.PromptCachePath, info.prompt_file_roots),
+        everything=request.PromptCacheAll,
+        read_only=request.PromptCacheRO,
+    )
+
+
+def check_tokens(field: str, tokens: Iterable[int], info: ModelInfo) -> None:
+    for i, token in enumerate(tokens):
+        if not 0 <= token < info.vocab_size:
+            raise InvalidArgument(
+                f"{field}[{i}]: {token} is outside the vocabulary "
+                f"(0..{info.vocab_size - 1})"
+            )
+
+
+def check_fits(field: str, length: int, info: ModelInfo) -> None:
+    if length > info.context_size:
+        raise InvalidArgument(
+            f"{field}: {length} tokens do not fit the context size of "
+            f"{info.context_size} tokens"
+        )
+
+
+def parse_embedding(request, info: ModelInfo) -> EmbeddingRequest:
+    """The tokens to embed: ``EmbeddingTokens`` as given, or ``Embeddings`` encoded."""
+    if not info.embeddings:
+        raise FailedPrecondition(
+            "Embedding: this model's architecture does not expose its hidden states"
+        )
+    if request.EmbeddingTokens:
+        tokens = list(request.EmbeddingTokens)
+        check_tokens("EmbeddingTokens", tokens, info)
+        field = "EmbeddingTokens"
+    else:
+        # Checked before encoding: a tokenizer that adds BOS never gives nothing.
+        text = request.Embeddings
+        tokens = encode_prompt(info.tokenizer, text) if text else []
+        field = "Embeddings"
+    if not tokens:
+        raise InvalidArgument(
+            "Embeddings: the input is empty (set Embeddings or EmbeddingTokens)"
+        )
+    check_fits(field, len(tokens), info)
+    return EmbeddingRequest(tokens=tuple(tokens), load_id=info.load_id)
+
+
+def parse_score(request, info: ModelInfo) -> ScoreRequest:
+    """The prompt's tokens, and each candidate's, encoded without special tokens."""
+    if not request.candidates:
+        raise InvalidArgument("candidates: the list is empty")
+    for i, candidate in enumerate(request.candidates):
+        if not candidate:
+            raise InvalidArgument(f"candidates[{i}]: the candidate is empty")
+    if not request.prompt:
+        raise InvalidArgument("prompt: the prompt is empty")
+    prompt = encode_prompt(info.tokenizer, request.prompt)
+    candidates = []
+    for i, candidate in enumerate(request.candidates):
+        tokens = info.tokenizer.encode(candidate, add_special_tokens=False)
+        if not tokens:
+            raise InvalidArgument(f"candidates[{i}]: the candidate has no tokens")
+        check_fits(f"candidates[{i}]", len(prompt) + len(tokens), info)
+        candidates.append(tuple(tokens))
+    return ScoreRequest(
+        prompt=tuple(prompt),
+        candidates=tuple(candidates),
+        load_id=info.load_id,
+    )

@@ -1,0 +1,425 @@
+"""Test helpers: a real backend process on a real port, an in-process engine, and
+request builders. Tests, ``conftest.py`` and bench/ import them from here."""
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+import backend_pb2 as pb
+import backend_pb2_grpc
+from backend import BackendServicer
+from mlx_backend.cpu.path import (
+    BLAS_THREAD_ENV,
+    CPU_PACING_ENV,
+    blas_choice_environment,
+    fast_blas_in_use,
+    physical_cores,
+)
+from mlx_backend.engine.engine import Engine
+from mlx_backend.models.gguf import save_tokenizer
+from mlx_backend.models.loading import ModelInfo, default_model_path
+from mlx_backend.output.chat_output import merge_deltas
+from mlx_backend.request_parsing import GenerationRequest
+from python_utils import parse_options
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."
+ANSWER_TOKENS = 7
+# The tokens of ANSWER, as logprob entries name them.
+ANSWER_PIECES = ["The", " capital", " of", " France", " is", " Paris", "."]
+PROMPT_TOKENS = 37
+STARTUP_TIMEOUT = 120.0
+# The default model by path, so it has a name for ModelIdentity checks.
+MODEL = str(default_model_path())
+AUTH = (("authorization", "Bearer s3cret"),)
+
+
+def backend_environment() -> dict:
+    """A backend process's environment: it picks its BLAS afresh, as when LocalAI
+    starts it, even though pytest runs with one preloaded (make test)."""
+    if fast_blas_in_use(os.environ):
+        return blas_choice_environment(os.environ, "auto")
+    return dict(os.environ)
+
+
+def write_hostfile(folder: Path, ranks: int) -> Path:
+    """MLX's ring hostfile for ``ranks`` processes on loopback, on free ports."""
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(ranks)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    path = folder / f"hosts-{ranks}-{ports[0]}.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    return path
+
+
+class Worker:
+    """A distributed worker process: ``backend.py --worker --rank N``."""
+
+    def __init__(self, hostfile: Path, rank: int):
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"worker{rank}-", suffix=".log", delete=False
+        )
+        command = [sys.executable, str(ROOT / "backend.py"), "--worker"]
+        command += ["--hostfile", str(hostfile), "--rank", str(rank)]
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=backend_environment(),
+            cwd=ROOT,
+        )
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+class Server:
+    """A backend process started with ``backend.py --addr 127.0.0.1:0``."""
+
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        launcher: list | None = None,
+        forcing: bool = False,
+    ):
+        self.log = tempfile.NamedTemporaryFile(
+            prefix="backend-", suffix=".log", delete=False
+        )
+        # The forcing backend runs as a module of the tests package, from the root.
+        script = (
+            ["-m", "tests.forcing_backend"] if forcing else [str(ROOT / "backend.py")]
+        )
+        command = [sys.executable, *script, "--addr", "127.0.0.1:0"]
+        self.process = subprocess.Popen(
+            (launcher or []) + command + list(args),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**backend_environment(), **(env or {})},
+            cwd=ROOT,
+        )
+        try:
+            self.port = self._wait_for_port()
+        except BaseException:
+            # A backend that never listened must not outlive the caller.
+            self.process.kill()
+            self.process.wait()
+            self.log.close()
+            os.unlink(self.log.name)
+            raise
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = backend_pb2_grpc.BackendStub(self.channel)
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def _wait_for_port(self) -> int:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.logs())
+            if match:
+                return int(match.group(1))
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"backend did not start:\n{self.logs()}")
+
+    def wait_for(self, state, metadata=None, timeout=STARTUP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.stub.Status(pb.HealthMessage(), metadata=metadata)
+            if status.state == state:
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"state {state} not reached:\n{self.logs()}")
+
+    def wait_for_log(self, text: str, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Wait until ``text`` is in the log; RuntimeError if the process exits."""
+        deadline = time.monotonic() + timeout
+        while text not in self.logs():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"backend did not log {text!r}:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def stop(self):
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def start_default_server(model: str = "default", forcing: bool = False) -> Server:
+    """A backend serving the default model (named ``model``), once it is READY."""
+    srv = Server("--model", model, forcing=forcing)
+    try:
+        srv.wait_for(pb.StatusResponse.READY)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def chat(text=QUESTION, **fields):
+    return pb.PredictOptions(
+        UseTokenizerTemplate=True,
+        Messages=[pb.Message(role="user", content=text)],
+        **fields,
+    )
+
+
+def stream_texts(stub, request, **kwargs):
+    replies = list(stub.PredictStream(request, **kwargs))
+    return [r.message.decode() for r in replies], replies[-1]
+
+
+def error_of(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, **kwargs)
+        if not hasattr(result, "SerializeToString"):
+            list(result)
+    return info.value
+
+
+def run_concurrently(calls) -> list:
+    """Start every call at once on its own thread; their results in order."""
+    results: list = [None] * len(calls)
+
+    def run(i):
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def rss_kib(pid: int) -> int | None:
+    """VmRSS of a process in KiB, or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def server_rss_mib(server) -> int:
+    return rss_kib(server.process.pid) // 1024
+
+
+# -- grammars -------------------------------------------------------------------
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "color": {"enum": ["red", "green", "blue"]},
+        "age": {"type": "integer", "minimum": 18, "maximum": 65},
+    },
+    "required": ["name", "color", "age"],
+    "additionalProperties": False,
+}
+
+
+def check_person(text: str) -> None:
+    person = json.loads(text)
+    assert set(person) == {"name", "color", "age"}
+    assert isinstance(person["name"], str) and len(person["name"]) <= 20
+    assert person["color"] in ("red", "green", "blue")
+    assert type(person["age"]) is int and 18 <= person["age"] <= 65
+
+
+# -- forced tokens -------------------------------------------------------------
+
+
+def make_forcing_processor(tokens: Sequence[int], eos: int):
+    """A logits processor under which any sampler picks ``tokens``, then ``eos``.
+
+    The model still runs every step through mlx-lm's generation loop; only its
+    choice is fixed. Tests hand it to the engine in ``GenerationRequest.processors``.
+    """
+    script = list(tokens) + [eos]
+    step = 0
+
+    def force(history: mx.array, logits: mx.array) -> mx.array:
+        nonlocal step
+        token = script[min(step, len(script) - 1)]
+        step += 1
+        allowed = mx.arange(logits.shape[-1]) == token
+        return mx.where(allowed, mx.zeros_like(logits), -mx.inf)
+
+    return force
+
+
+class ForcingServicer(BackendServicer):
+    """The backend for tests that fix what the model generates.
+
+    A request's ``Metadata["forced_tokens"]`` (JSON token ids) is generated exactly,
+    then EOS, through the engine's own hook: ``GenerationRequest.processors``.
+    """
+
+    def parse_generation(self, request, info: ModelInfo) -> GenerationRequest:
+        parsed = super().parse_generation(request, info)
+        text = request.Metadata.get("forced_tokens")
+        if text is None:
+            return parsed
+        eos = min(info.tokenizer.eos_token_ids)
+        force = make_forcing_processor(json.loads(text), eos)
+        return dataclasses.replace(parsed, processors=parsed.processors + (force,))
+
+
+# -- in-process engine tests -----------------------------------------------
+
+
+def load_engine(*options: str, draft: str = "") -> Engine:
+    engine = Engine()
+    engine.load(
+        "", parse_options(list(options)), 0, identity="default", draft=draft
+    ).result()
+    return engine
+
+
+# A llama small enough to build in a test; the tests set its vocabulary.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def make_tiny_draft(
+    folder: Path, vocabulary_changed: bool = False, layers: int = 1
+) -> Path:
+    """A llama of ``layers`` layers with random weights and the default model's
+    tokenizer: a draft model whose proposals are mostly wrong, or a model whose
+    head counts divide by 2. ``vocabulary_changed`` adds a token, so its
+    vocabulary differs from the model's."""
+    config = {
+        **TINY_LLAMA,
+        "num_hidden_layers": layers,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 2,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config))
+    _, metadata = mx.load(str(default_model_path()), return_metadata=True)
+    save_tokenizer(metadata, folder)
+    if vocabulary_changed:
+        path = folder / "tokenizer.json"
+        tokenizer = json.loads(path.read_text())
+        tokenizer["added_tokens"].append(
+            {
+                "id": 49152,
+                "content": "<draft-only>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+        path.write_text(json.dumps(tokenizer))
+    return folder
+
+
+def chat_prompt(engine: Engine, text: str = QUESTION) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": text}]
+    tokenizer = engine.info.tokenizer
+    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def generation(engine: Engine, text: str = QUESTION, **fields) -> GenerationRequest:
+    fields.setdefault("max_tokens", 32)
+    return GenerationRequest(
+        prompt=chat_prompt(engine, text),
+        load_id=engine.info.load_id,
+        **fields,
+    )
+
+
+async def collect(engine: Engine, parsed: GenerationRequest) -> list:
+    """Every event of one generation; an error ends the list instead of raising."""
+    events = []
+    try:
+        async for event in engine.submit(parsed, asyncio.get_running_loop()):
+            events.append(event)
+    except Exception as e:
+        events.append(e)
+    return events
+
+
+def run(engine: Engine, *requests: GenerationRequest) -> list[list]:
+    """The requests' events, submitted together so that they share steps."""
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def text_of(events: list) -> str:
+    return merge_deltas(e.delta for e in events).content
+
+
+def wait_idle(engine: Engine, turns: int = 200) -> None:
+    """Until the engine thread has retired every sequence (each call is a turn)."""
+    for _ in range(turns):
+        engine.call(lambda: None).result(60)
+        if engine.stats.active == 0:
+            return
+    raise AssertionError(f"{engine.stats.active} sequences still active")
+
+
+def stats_after(engine: Engine) -> dict[str, int]:
+    """Status figures once every sequence is retired."""
+    wait_idle(engine)
+    return engine.stats.memory
+
+
+def on_engine_thread(engine: Engine, fn):
+    """``fn(model, options)`` on the engine thread, which owns the MLX objects."""
+    return engine.call(lambda: fn(engine._loaded.model, engine.info.options)).result()

@@ -1,0 +1,343 @@
+"""lora.py on a tiny llama: composition, fusing, quantized bases, refusals."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.utils import load_adapters
+
+from mlx_backend.engine.engine import Engine
+from mlx_backend.errors import InvalidArgument
+from mlx_backend.models.lora import (
+    Adapter,
+    AdapterError,
+    MultiLoRALinear,
+    apply_adapters,
+    make_adapters,
+)
+from python_utils import parse_options
+from tests.support import ANSWER, TINY_LLAMA, generation, load_engine, run, text_of
+
+TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11]])
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+def tiny_model() -> llama.Model:
+    """The same random tiny llama on every call."""
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": 64}))
+    mx.eval(model.parameters())
+    return model
+
+
+def logits(model: nn.Module) -> mx.array:
+    out = model(TOKENS)
+    mx.eval(out)
+    return out
+
+
+def write_adapter(
+    folder: Path,
+    seed: int,
+    own_scale: float = 2.0,
+    rank: int = 4,
+    config: dict | None = None,
+    weights: dict | None = None,
+) -> Path:
+    """An adapter as mlx_lm.lora saves one, for every linear of the tiny llama's
+    layers, with random nonzero lora_b (mlx-lm starts it at zero)."""
+    folder.mkdir(parents=True)
+    config = config or {
+        "fine_tune_type": "lora",
+        "num_layers": 2,
+        "lora_parameters": {"rank": rank, "scale": own_scale, "dropout": 0.0},
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    if weights is None:
+        mx.random.seed(seed)
+        weights = {}
+        for name, module in tiny_model().named_modules():
+            if name.startswith("model.layers.") and isinstance(module, nn.Linear):
+                out_dims, in_dims = module.weight.shape
+                bound = in_dims**-0.5
+                a = mx.random.uniform(-bound, bound, (in_dims, rank))
+                weights[f"{name}.lora_a"] = a
+                weights[f"{name}.lora_b"] = 0.05 * mx.random.normal((rank, out_dims))
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture
+def adapter_a(tmp_path: Path) -> Path:
+    return write_adapter(tmp_path / "a", seed=1, own_scale=2.0)
+
+
+@pytest.fixture
+def adapter_b(tmp_path: Path) -> Path:
+    return write_adapter(tmp_path / "b", seed=2, own_scale=0.5, rank=2)
+
+
+def adapted_logits(*adapters: tuple[Path, float], fuse: bool = False) -> mx.array:
+    model = tiny_model()
+    apply_adapters(model, [Adapter(path, scale) for path, scale in adapters], fuse)
+    return logits(model)
+
+
+def wrappers(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, MultiLoRALinear)]
+
+
+def test_scale_zero_gives_exactly_the_base_logits(adapter_a, adapter_b):
+    base = logits(tiny_model())
+    assert mx.array_equal(adapted_logits((adapter_a, 0.0)), base)
+    assert mx.array_equal(adapted_logits((adapter_a, 0.0), (adapter_b, 0.0)), base)
+    assert not mx.allclose(adapted_logits((adapter_a, 1.0)), base, atol=1e-3)
+
+
+def test_one_adapter_matches_mlx_lm_load_adapters(adapter_a):
+    reference = load_adapters(tiny_model(), str(adapter_a))
+    model = tiny_model()
+    assert apply_adapters(model, [Adapter(adapter_a)]) == "1 LoRA adapter"
+    assert len(wrappers(model)) == 14  # 7 linears in each of 2 layers
+    assert mx.allclose(logits(model), logits(reference), atol=1e-5)
+
+
+def test_two_adapters_compose_as_documented(adapter_a, adapter_b):
+    model = tiny_model()
+    base = model.model.layers[0].self_attn.q_proj
+    apply_adapters(model, [Adapter(adapter_a, 0.5), Adapter(adapter_b, 2.0)])
+    x = mx.random.normal((1, 3, 32), key=mx.random.key(3))
+    expected = base(x)
+    for path, scale, own_scale in ((adapter_a, 0.5, 2.0), (adapter_b, 2.0, 0.5)):
+        w = mx.load(str(path / "adapters.safetensors"))
+        delta = (x @ w[f"{Q_PROJ}.lora_a"]) @ w[f"{Q_PROJ}.lora_b"]
+        expected = expected + scale * own_scale * delta
+    assert mx.allclose(model.model.layers[0].self_attn.q_proj(x), expected, atol=1e-6)
+
+    both = logits(model)
+    assert not mx.allclose(both, adapted_logits((adapter_a, 0.5)), atol=1e-3)
+    assert not mx.allclose(both, adapted_logits((adapter_b, 2.0)), atol=1e-3)
+
+
+def test_fused_matches_unfused(adapter_a, adapter_b):
+    adapters = [Adapter(adapter_a, 0.5), Adapter(adapter_b, 2.0)]
+    unfused, fused = tiny_model(), tiny_model()
+    apply_adapters(unfused, adapters)
+    assert apply_adapters(fused, adapters, fuse=True) == "2 LoRA adapters, fused"
+
+    assert wrappers(fused) == []
+    assert type(fused.model.layers[1].mlp.down_proj) is nn.Linear
+    base_names = {name for name, _ in tree_flatten(tiny_model().parameters())}
+    assert {name for name, _ in tree_flatten(fused.parameters())} == base_names
+    assert mx.allclose(logits(fused), logits(unfused), atol=1e-4)
+
+    def greedy(model: nn.Module) -> list[int]:
+        steps = generate_step(TOKENS[0], model, max_tokens=16)
+        return [token for token, _ in steps]
+
+    assert greedy(fused) == greedy(unfused)
+
+
+def test_a_fused_call_folds_in_earlier_unfused_adapters(adapter_a, adapter_b):
+    model = tiny_model()
+    apply_adapters(model, [Adapter(adapter_a, 0.5)])
+    apply_adapters(model, [Adapter(adapter_b, 2.0)], fuse=True)
+    assert wrappers(model) == []
+    both = adapted_logits((adapter_a, 0.5), (adapter_b, 2.0))
+    assert mx.allclose(logits(model), both, atol=1e-4)
+
+
+def test_quantized_base_unfused_and_fused(adapter_a):
+    def quantized() -> llama.Model:
+        model = tiny_model()
+        nn.quantize(model, group_size=32, bits=8)
+        return model
+
+    base = logits(quantized())
+    unfused = quantized()
+    apply_adapters(unfused, [Adapter(adapter_a)])
+    assert isinstance(unfused.model.layers[0].mlp.up_proj.base, nn.QuantizedLinear)
+    reference = load_adapters(quantized(), str(adapter_a))
+    assert mx.allclose(logits(unfused), logits(reference), atol=1e-5)
+
+    fused = quantized()
+    apply_adapters(fused, [Adapter(adapter_a)], fuse=True)
+    layer = fused.model.layers[0].mlp.up_proj
+    assert type(layer) is nn.QuantizedLinear
+    assert (layer.group_size, layer.bits) == (32, 8)
+    # mlx-lm's own fuse (dequantize, add, re-quantize) gives the same model.
+    mlx_fused = load_adapters(quantized(), str(adapter_a))
+    for name, module in mlx_fused.named_modules():
+        if isinstance(module, LoRALinear):
+            mlx_fused.update_modules(tree_unflatten([(name, module.fuse())]))
+    assert mx.allclose(logits(fused), logits(mlx_fused), atol=1e-5)
+    # Re-quantizing costs a little; the adapter's effect is far larger.
+    assert abs(logits(fused) - logits(unfused)).max() < 0.05
+    assert abs(logits(unfused) - base).max() > 0.3
+
+
+def test_the_file_says_which_linears_are_adapted(tmp_path):
+    weights = {
+        "model.layers.1.mlp.gate_proj.lora_a": mx.ones((32, 2)),
+        "model.layers.1.mlp.gate_proj.lora_b": mx.ones((2, 64)),
+    }
+    folder = write_adapter(tmp_path / "one", seed=0, weights=weights)
+    model = tiny_model()
+    apply_adapters(model, [Adapter(folder)])
+    assert wrappers(model) == ["model.layers.1.mlp.gate_proj"]
+
+
+@pytest.mark.parametrize(
+    "layer, lora_a, lora_b, why",
+    [
+        (Q_PROJ, (64, 4), (4, 32), "takes 32 inputs, its lora_a has 64 rows"),
+        (Q_PROJ, (32, 4), (4, 16), "has 32 outputs, its lora_b has 16 columns"),
+        ("model.layers.5.self_attn.q_proj", (32, 4), (4, 32), "no such module"),
+        ("model.layers.0.input_layernorm", (32, 4), (4, 32), "not a linear"),
+    ],
+)
+def test_another_architecture_fails_and_leaves_the_model(
+    tmp_path, adapter_a, layer, lora_a, lora_b, why
+):
+    weights = {f"{layer}.lora_a": mx.ones(lora_a), f"{layer}.lora_b": mx.ones(lora_b)}
+    folder = write_adapter(tmp_path / "other", seed=0, weights=weights)
+    model = tiny_model()
+    before = tree_flatten(model.parameters())
+
+    # The good adapter comes first: nothing is applied until all are checked.
+    with pytest.raises(AdapterError) as error:
+        apply_adapters(model, [Adapter(adapter_a), Adapter(folder)], fuse=True)
+    message = str(error.value)
+    assert f"adapter {folder} does not fit this model: {layer}" in message
+    assert why in message
+    after = tree_flatten(model.parameters())
+    assert [name for name, _ in after] == [name for name, _ in before]
+    assert all(mx.array_equal(a, b) for (_, a), (_, b) in zip(after, before))
+    assert wrappers(model) == []
+
+
+BROKEN = {
+    "missing folder": (None, None, "no such folder"),
+    "dora": (
+        {"fine_tune_type": "dora", "lora_parameters": {"scale": 1.0}},
+        None,
+        "fine_tune_type dora is not supported; only lora adapters can be combined",
+    ),
+    "full": ({"fine_tune_type": "full"}, None, "fine_tune_type full is not"),
+    "no config": ("", None, "can't read adapter_config.json"),
+    "bad json": ("{", None, "can't read adapter_config.json"),
+    "alpha, not scale": (
+        {"lora_parameters": {"rank": 4, "alpha": 16}},
+        None,
+        "no numeric lora_parameters.scale",
+    ),
+    "no weights": ({"lora_parameters": {"scale": 1.0}}, "", "no adapters.safetensors"),
+    "lora_a alone": (
+        {"lora_parameters": {"scale": 1.0}},
+        {f"{Q_PROJ}.lora_a": mx.ones((32, 4))},
+        f"{Q_PROJ} has no lora_b",
+    ),
+    "not lora": (
+        {"lora_parameters": {"scale": 1.0}},
+        {f"{Q_PROJ}.weight": mx.ones((32, 32))},
+        f"holds {Q_PROJ}.weight, which is not a LoRA tensor",
+    ),
+}
+
+
+@pytest.mark.parametrize("config, weights, why", BROKEN.values(), ids=BROKEN.keys())
+def test_broken_adapters_are_refused(tmp_path, config, weights, why):
+    folder = tmp_path / "adapter"
+    if config is not None:
+        folder.mkdir()
+        if config != "":
+            text = config if isinstance(config, str) else json.dumps(config)
+            (folder / "adapter_config.json").write_text(text)
+        if weights is not None and weights != "":
+            mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    model = tiny_model()
+    with pytest.raises(AdapterError, match="^adapter ") as error:
+        apply_adapters(model, [Adapter(folder)])
+    assert str(folder) in str(error.value)
+    assert why in str(error.value)
+
+
+# -- the engine, on the embedded model ------------------------------------------
+
+
+def smollm_adapter(folder: Path, seed: int, layers: int = 6) -> Path:
+    """A rank-4 adapter on the first ``layers`` layers' q_proj and v_proj of
+    SmolLM2-135M (576 wide, 3 KV heads of 64), strong enough to change its
+    greedy text."""
+    folder.mkdir(parents=True)
+    config = {"lora_parameters": {"rank": 4, "scale": 8.0, "dropout": 0.0}}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    mx.random.seed(seed)
+    weights = {}
+    for layer in range(layers):
+        for proj, out_dims in (("q_proj", 576), ("v_proj", 192)):
+            name = f"model.layers.{layer}.self_attn.{proj}"
+            weights[f"{name}.lora_a"] = mx.random.normal((576, 4)) * 0.05
+            weights[f"{name}.lora_b"] = mx.random.normal((4, out_dims)) * 0.5
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    return folder
+
+
+def greedy_answer(*adapters: tuple[Path, float], fuse: bool = False) -> str:
+    engine = Engine()
+    try:
+        options = parse_options([f"fuse_lora:{fuse}", "max_tokens:24"])
+        engine.load(
+            "",
+            options,
+            0,
+            identity="default",
+            adapters=tuple(Adapter(path, scale) for path, scale in adapters),
+        ).result()
+        return text_of(run(engine, generation(engine))[0])
+    finally:
+        engine.shutdown()
+
+
+def test_adapters_on_the_embedded_model(tmp_path: Path):
+    one = smollm_adapter(tmp_path / "one", seed=1)
+    two = smollm_adapter(tmp_path / "two", seed=2)
+    base = ANSWER  # the model's own greedy answer
+    assert greedy_answer((one, 0.0)) == base
+    adapted = greedy_answer((one, 1.0))
+    assert adapted != base
+    assert greedy_answer((one, 1.0), fuse=True) == adapted
+    assert greedy_answer((one, 1.0), (two, 1.0)) not in (base, adapted)
+
+
+def test_a_failed_adapter_keeps_the_model(tmp_path: Path):
+    engine = load_engine()
+    try:
+        before = text_of(run(engine, generation(engine))[0])
+        tiny = write_adapter(tmp_path / "tiny", seed=1)
+        with pytest.raises(AdapterError, match="does not fit this model"):
+            engine.load(
+                "", parse_options([]), 0, adapters=(Adapter(tiny, 1.0),)
+            ).result()
+        assert engine.stats.state == "ready"
+        assert text_of(run(engine, generation(engine))[0]) == before
+    finally:
+        engine.shutdown()
+
+
+def test_adapter_fields_become_adapters(tmp_path: Path):
+    made = make_adapters("solo", 0.0, ["a", "/abs/b"], [0.5], str(tmp_path))
+    assert made == (
+        Adapter(tmp_path / "solo", 1.0),
+        Adapter(tmp_path / "a", 0.5),
+        Adapter(Path("/abs/b"), 1.0),
+    )
+    assert make_adapters("", 0.0, [], [], "") == ()
+    with pytest.raises(InvalidArgument, match="LoraScales: 2 scales for 1"):
+        make_adapters("", 0.0, ["a"], [1.0, 2.0], "")

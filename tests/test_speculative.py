@@ -1,0 +1,395 @@
+"""Speculative decoding, in-process on the embedded model.
+
+The output is what plain decoding gives, alone, in a batch and when a lone
+sequence joins a batch, and it is cut where plain decoding cuts it; seeded
+sampling draws the same tokens; cancellation stops it; Status and the request
+metrics count proposals. The sampled distribution is checked on a tiny llama.
+"""
+
+import asyncio
+import math
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from mlx_backend.decoders.base import BatchDecoder, NewSequence
+from mlx_backend.decoders.speculative import NgramProposer, SpeculativeDecoder
+from mlx_backend.engine.engine import Engine
+from mlx_backend.errors import InvalidArgument
+from mlx_backend.models.loading import ModelLoadError, default_model_path
+from mlx_backend.output.reply_pipeline import Finished
+from mlx_backend.request_parsing import SamplingParams
+from mlx_backend.sampling import make_seeded_sampler
+from python_utils import LoadOptions
+from tests.support import (
+    QUESTION,
+    TINY_LLAMA,
+    chat_prompt,
+    collect,
+    generation,
+    load_engine,
+    make_tiny_draft,
+    on_engine_thread,
+    run,
+    stats_after,
+    text_of,
+    wait_idle,
+)
+
+PARAGRAPH = (
+    "The old lighthouse stood on the northern cliff for more than two hundred "
+    "years. Sailors trusted its beam to guide them past the rocks, and the "
+    "keeper's family lived in the small stone cottage at its base, tending the "
+    "lamp every night."
+)
+REPEAT = "Repeat this paragraph exactly, word for word:\n\n" + PARAGRAPH
+POEM = "Write a short poem about the sea."
+# Every k costs one pass: each step verifies all it can, so runs are long and
+# the same on every machine.
+FLAT = (1.0,) * 9
+
+
+@pytest.fixture(scope="module")
+def plain():
+    engine = load_engine("speculative:off")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def speculative():
+    engine = load_engine()
+    on_engine_thread(
+        engine, lambda model, options: setattr(engine._decoder, "costs", FLAT)
+    )
+    yield engine
+    engine.shutdown()
+
+
+def both(plain, speculative, *texts, **fields) -> tuple[list, list]:
+    """Each text's events from the plain and the speculative engine, submitted
+    together on each."""
+    fields.setdefault("max_tokens", 64)
+    expected = run(plain, *(generation(plain, t, **fields) for t in texts))
+    actual = run(speculative, *(generation(speculative, t, **fields) for t in texts))
+    return expected, actual
+
+
+def check_same(expected: list, actual: list) -> None:
+    assert text_of(actual) == text_of(expected)
+    want, got = expected[-1], actual[-1]
+    assert isinstance(got, Finished)
+    assert (got.finish_reason, got.completion_tokens) == (
+        want.finish_reason,
+        want.completion_tokens,
+    )
+    entries = [e for event in expected for e in event.logprobs]
+    got_entries = [e for event in actual for e in event.logprobs]
+    assert [e.token for e in got_entries] == [e.token for e in entries]
+    for a, b in zip(got_entries, entries):
+        # One pass over several tokens rounds differently from one over one.
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def proposals(engine) -> tuple[int, int]:
+    memory = stats_after(engine)
+    return memory["draft_tokens_proposed"], memory["draft_tokens_accepted"]
+
+
+def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
+    """The tokens of each step of a lone greedy sequence, as the speculative
+    decoder (with flat costs) makes them."""
+    prompt = chat_prompt(engine, text)
+
+    def steps(model, options):
+        decoder = SpeculativeDecoder(
+            BatchDecoder(model, options, True),
+            model,
+            8,
+            lambda: NgramProposer(2, 4),
+            costs=FLAT,
+        )
+        decoder.add(
+            NewSequence(
+                prompt,
+                prompt,
+                make_prompt_cache(model),
+                greedy_sampler,
+                [],
+                max_tokens,
+                draft_tokens=8,
+            )
+        )
+        made = []
+        while not made or not made[-1][1]:
+            made += [(r.tokens, r.done) for r in decoder.step()]
+        decoder.close()
+        return [tokens for tokens, _ in made]
+
+    return on_engine_thread(engine, steps)
+
+
+@pytest.mark.parametrize(
+    "text", [REPEAT, POEM, QUESTION], ids=["copy", "poem", "answer"]
+)
+def test_greedy_output_is_plain_decoding(plain, speculative, text):
+    before = proposals(speculative)
+    (expected,), (actual,) = both(plain, speculative, text, logprobs=2)
+    check_same(expected, actual)
+    proposed, accepted = (a - b for a, b in zip(proposals(speculative), before))
+    metrics = speculative.last_metrics
+    assert (metrics.draft_tokens_proposed, metrics.draft_tokens_accepted) == (
+        proposed,
+        accepted,
+    )
+    if text == REPEAT:
+        # All but the proposals past the paragraph's end.
+        assert proposed > 0 and accepted >= 0.85 * proposed
+    elif text == POEM:
+        # Some proposals are taken and some thrown away.
+        assert 0 < accepted < proposed
+    else:
+        # Its guesses hold too rarely to pay for leaving the batch.
+        assert proposed == 0
+
+
+def test_a_lone_sequence_leaves_once_its_guesses_hold(speculative):
+    """Prompt lookup is checked against plain decoding first: the copy's guesses
+    hold twice while it decodes in the batch (with flat costs, what makes leaving
+    it pay), and only then does it speculate."""
+    steps = trace(speculative, REPEAT)
+    assert [len(tokens) for tokens in steps[:4]] == [1, 1, 1, 9]
+
+
+def test_cuts_inside_an_accepted_run(plain, speculative):
+    steps = trace(speculative, REPEAT)
+    tokenizer = speculative.info.tokenizer
+    eos = min(tokenizer.eos_token_ids)
+    # The cuts below fall inside steps that emitted several tokens.
+    (cliff,) = [s for s in steps if tokenizer.encode(" cliff")[0] in s]
+    assert cliff.index(tokenizer.encode(" cliff")[0]) < len(cliff) - 1
+    ends = [sum(map(len, steps[: i + 1])) for i in range(len(steps))]
+    # A token limit three tokens into the first full verification.
+    full = next(i for i, tokens in enumerate(steps) if len(tokens) == 9)
+    limit = ends[full - 1] + 3
+    # The first EOS comes with the tokens after it.
+    ending = next(s for s in steps if eos in s)
+    assert len(ending) > 1
+    for fields in ({"stop": ("cliff",)}, {"max_tokens": limit}, {}):
+        (expected,), (actual,) = both(plain, speculative, REPEAT, **fields)
+        check_same(expected, actual)
+    assert text_of(actual) == PARAGRAPH
+
+
+def test_ignore_eos_and_penalties_apply_at_each_verified_position(plain, speculative):
+    bias = {speculative.info.tokenizer.encode(" stone")[0]: -5.0}
+    sampling = dict(repetition_penalty=1.2, logit_bias=bias)
+    (expected,), (actual,) = both(
+        plain,
+        speculative,
+        REPEAT,
+        max_tokens=72,
+        ignore_eos=True,
+        sampling=SamplingParams(**sampling),
+    )
+    check_same(expected, actual)
+    assert actual[-1].finish_reason == "length"
+
+
+def test_seeded_sampling_draws_what_plain_decoding_draws(plain, speculative):
+    before = proposals(speculative)
+    for seed in (1, 2):
+        sampling = SamplingParams(temperature=0.7, seed=seed)
+        (expected,), (actual,) = both(plain, speculative, REPEAT, sampling=sampling)
+        check_same(expected, actual)
+    assert proposals(speculative)[1] > before[1]
+
+
+def test_a_batch_decodes_as_plain_batching(plain, speculative):
+    expected, actual = both(plain, speculative, REPEAT, POEM, QUESTION)
+    for want, got in zip(expected, actual):
+        check_same(want, got)
+
+
+def test_a_lone_sequence_joins_the_batch_and_leaves_again(plain, speculative):
+    before = proposals(speculative)
+
+    async def staggered(engine):
+        loop = asyncio.get_running_loop()
+        first = engine.submit(generation(engine, REPEAT, max_tokens=64), loop)
+        events = []
+        async for event in first:
+            events.append(event)
+            if len(events) == 4:
+                break
+        # The first sequence speculates alone by now; the second makes a batch.
+        second = asyncio.create_task(collect(engine, generation(engine, QUESTION)))
+        async for event in first:
+            events.append(event)
+        return events, await second
+
+    expected = asyncio.run(staggered(plain))
+    actual = asyncio.run(staggered(speculative))
+    for want, got in zip(expected, actual):
+        check_same(want, got)
+    proposed, accepted = (a - b for a, b in zip(proposals(speculative), before))
+    assert accepted > 20
+
+
+def test_cancel_stops_speculation_within_a_step(speculative):
+    before = speculative.stats.memory["batch_decode_tokens"]
+
+    async def cancel_after_three():
+        stream = speculative.submit(
+            generation(speculative, REPEAT, max_tokens=400, ignore_eos=True),
+            asyncio.get_running_loop(),
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                stream.cancel()
+                return
+
+    asyncio.run(cancel_after_three())
+    wait_idle(speculative)
+    # Three replies and a step or two of at most 9 tokens each.
+    made = speculative.stats.memory["batch_decode_tokens"] - before
+    assert made < 40, made
+    (events,) = run(speculative, generation(speculative, REPEAT, max_tokens=64))
+    assert text_of(events) == PARAGRAPH
+
+
+# -- draft models -----------------------------------------------------------
+
+
+def flat_costs(engine) -> None:
+    """Every k and every proposal costs one pass: each step verifies all it can."""
+
+    def set_costs(model, options):
+        engine._decoder.costs, engine._decoder.per_proposal = FLAT, 0.0
+
+    on_engine_thread(engine, set_costs)
+
+
+def test_the_model_as_its_own_draft_accepts_everything(plain):
+    engine = load_engine(draft=str(default_model_path()))
+    try:
+        flat_costs(engine)
+        for text in (REPEAT, POEM):
+            (expected,) = run(plain, generation(plain, text, max_tokens=48))
+            (actual,) = run(engine, generation(engine, text, max_tokens=48))
+            check_same(expected, actual)
+            metrics = engine.last_metrics
+            assert metrics.draft_tokens_proposed > 30
+            assert metrics.draft_tokens_accepted >= 0.95 * metrics.draft_tokens_proposed
+    finally:
+        engine.shutdown()
+
+
+def test_a_random_draft_is_mostly_rejected_and_changes_nothing(plain, tmp_path):
+    engine = load_engine(draft=str(make_tiny_draft(tmp_path / "draft")))
+    try:
+        flat_costs(engine)
+        expected, actual = both(plain, engine, REPEAT, max_tokens=48)
+        check_same(expected[0], actual[0])
+        metrics = engine.last_metrics
+        assert metrics.draft_tokens_proposed > 0
+        assert metrics.draft_tokens_accepted < 0.5 * metrics.draft_tokens_proposed
+    finally:
+        engine.shutdown()
+
+
+def test_a_draft_with_another_vocabulary_fails_the_load(tmp_path):
+    draft = make_tiny_draft(tmp_path / "draft", vocabulary_changed=True)
+    engine = Engine()
+    try:
+        with pytest.raises(ModelLoadError, match="DraftModel: its vocabulary"):
+            engine.load("", LoadOptions(), 0, draft=str(draft)).result()
+        with pytest.raises(InvalidArgument, match="DraftModel"):
+            engine.load("", LoadOptions(speculative="draft"), 0).result()
+    finally:
+        engine.shutdown()
+
+
+# -- the sampled distribution, on a tiny llama ------------------------------
+
+VOCAB = 24
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    args = llama.ModelArgs.from_dict(
+        {**TINY_LLAMA, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    )
+    # A fixed model, whose proposals are sometimes accepted.
+    mx.random.seed(SEED)
+    model = llama.Model(args)
+    # Sharper than a fresh model's distributions, so that proposals often hold.
+    model.lm_head.weight = model.lm_head.weight * 8
+    mx.eval(model.parameters())
+    return model
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square value with upper tail probability 0.001 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+class EagerLookup(NgramProposer):
+    """Prompt lookup verified from the first decoded token on, as a draft model's
+    proposals are, rather than after its guesses have held."""
+
+    cheap = False
+
+
+def test_speculative_sampling_keeps_the_model_distribution(tiny):
+    """The second token (the first one a verification pass samples, after the
+    n-gram proposal from the repeated prompt) follows the model's own
+    distribution: a chi-square test over seeded draws against exact probabilities."""
+    # Every token occurs in the prompt: whatever comes first, a proposal follows.
+    prompt = tuple(range(VOCAB)) + (3, 4, 5)
+    decoder = SpeculativeDecoder(
+        BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
+        tiny,
+        4,
+        lambda: EagerLookup(1, 3),
+        costs=FLAT,
+    )
+    draws = 1200
+    counts: Counter = Counter()
+    for seed in range(draws):
+        decoder.add(
+            NewSequence(
+                prompt,
+                prompt,
+                make_prompt_cache(tiny),
+                make_seeded_sampler(1.0, 0.0, 0.0, 0, seed),
+                [],
+                6,
+                draft_tokens=4,
+            )
+        )
+        tokens = []
+        while len(tokens) < 2:
+            tokens += [t for r in decoder.step() for t in r.tokens]
+        decoder.reset()
+        counts[tokens[1]] += 1
+    assert decoder.draft_proposed > 0 and 0 < decoder.draft_accepted
+    # Exact: p(second) = sum over first of p(first) p(second | first).
+    first = mx.softmax(tiny(mx.array([prompt]))[0, -1])
+    extended = mx.array([prompt + (t,) for t in range(VOCAB)])
+    second = first @ mx.softmax(tiny(extended)[:, -1], axis=-1)
+    expected = [p * draws for p in second.tolist()]
+    # Tokens expected fewer than 5 times are pooled into one bin.
+    small = [t for t in range(VOCAB) if expected[t] < 5]
+    bins = [(counts[t], expected[t]) for t in range(VOCAB) if expected[t] >= 5]
+    bins.append((sum(counts[t] for t in small), sum(expected[t] for t in small)))
+    statistic = sum((o - e) ** 2 / e for o, e in bins if e > 0)
+    assert statistic < chi_square_critical(len(bins) - 1), (statistic, bins)
