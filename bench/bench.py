@@ -7,7 +7,7 @@
    as in stream_generate); with logprobs
    (top 5 alternatives) and under a JSON-schema grammar; Health latency while a
    long generation streams; and where each millisecond per token goes
-   (bench_profile.py). The header names the CPU, its cores, the BLAS and the
+   (bench/profile.py). The header names the CPU, its cores, the BLAS and the
    pacing auto chose.
 2. CPU paths (Linux CPU): the stock path (bundled BLAS, quantized kernels), float32
    weights on OpenBLAS, and the fast path that ``auto`` picks (MKL on x86_64):
@@ -15,21 +15,22 @@
 3. Prompt cache: time to first token for a ~1500-token prompt, cold and warm (after
    a request that shared its prefix), and the prompt tokens actually prefilled over
    a 6-turn chat against the tokens new in each turn.
-4. Continuous batching (bench_batching.py): aggregate tokens/s, TTFT and inter-token
+4. Continuous batching (bench/batching.py): aggregate tokens/s, TTFT and inter-token
    latency at 1 to 16 concurrent streams, next to mlx_lm.server on the same weights.
-5. Shared prefixes (bench_prefix.py): bursts of 8 and 16 chats with one ~1000-token
+5. Shared prefixes (bench/prefix.py): bursts of 8 and 16 chats with one ~1000-token
    system prompt, with prefix sharing on, off, and on mlx_lm.server: time to first
    token and wall time; and a cancel-then-resend's TTFT against a cold start.
-6. Speculative decoding (bench_speculative.py): decode tok/s with n-gram prompt
+6. Speculative decoding (bench/speculative.py): decode tok/s with n-gram prompt
    lookup on and off for a copy-heavy and an open-ended stream, aggregate tok/s of
    8 mixed streams, the acceptance rate, and the copy stream on mlx_lm.server.
-7. Distributed (bench_distributed.py): 1 process, 2 ranks and 3 ranks on loopback.
-8. Memory and persistence (bench_memory.py): KV bytes per token and decode tok/s at
+7. Distributed (bench/distributed.py): 1 process, 2 ranks and 3 ranks on loopback.
+8. Memory and persistence (bench/memory.py): KV bytes per token and decode tok/s at
    1 and 8 streams over a 4000-token context for full, q8_0 and q4_0 KV caches; the
    first request's TTFT after a restart with and without its PromptCachePath file.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
-to stdout and bench-results/core.json.
+to stdout and bench-results/core.json; the printed tables are appended, with the
+date, the commit and the machine, to bench/RESULTS.md (``--no-results``: not).
 """
 
 import argparse
@@ -39,11 +40,13 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from contextlib import ExitStack, contextmanager, suppress
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
@@ -51,12 +54,12 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 import backend_pb2 as pb
-from bench.bench_batching import bench_batching, percentile
-from bench.bench_distributed import bench_distributed
-from bench.bench_memory import bench_memory
-from bench.bench_prefix import bench_prefix
-from bench.bench_profile import process_cpu_seconds, profile_decode
-from bench.bench_speculative import bench_speculative
+from bench.batching import bench_batching, percentile
+from bench.distributed import bench_distributed
+from bench.memory import bench_memory
+from bench.prefix import bench_prefix
+from bench.profile import process_cpu_seconds, profile_decode
+from bench.speculative import bench_speculative
 from mlx_backend.cpu.path import (
     blas_choice_environment,
     fast_blas_in_use,
@@ -72,6 +75,8 @@ from tests.support import Server
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "RESULTS.md"
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 LONG_TEXT = (
     "The lighthouse stood on the northern cliff for two hundred years, and every "
@@ -504,6 +509,45 @@ def bench_prompt_cache(stub, rounds: int) -> tuple[dict, list[str]]:
     return report, lines
 
 
+def git_commit() -> str:
+    """The checkout's short commit hash, or "" outside a git checkout."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def append_results(path: Path, header: str, parts: list[int], lines: list[str]) -> None:
+    """Append a run's printed tables to ``path`` (RESULTS.md) as a dated section:
+    the date (UTC), the commit and the machine's ``header``, then ``lines`` fenced."""
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    ran = ", ".join(map(str, parts))
+    which = "all" if parts == list(range(1, 9)) else ran
+    tables = "\n".join(line.rstrip() for line in lines).strip("\n")
+    section = [
+        "",
+        f"## {date}, commit {git_commit() or 'unknown'}",
+        "",
+        header,
+        "",
+        f"Parts run: {which}.",
+        "",
+        "```",
+        tables,
+        "```",
+        "",
+    ]
+    with path.open("a") as results:
+        results.write("\n".join(section))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per decode")
@@ -524,7 +568,12 @@ def main(argv: list[str] | None = None) -> None:
         default=set(range(1, 9)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
-    parser.add_argument("--out", default=str(HERE / "bench-results" / "core.json"))
+    parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
+    parser.add_argument(
+        "--no-results",
+        action="store_true",
+        help="don't append the printed tables to bench/RESULTS.md",
+    )
     args = parser.parse_args(argv)
     parts = args.parts
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -535,6 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     report, lines = {}, []
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         fast = stack.enter_context(running_server())
+        header = cpu_header(fast.Status(pb.HealthMessage()).memory.breakdown)
         if 1 in parts:
             # Part 1's servers, one per pacing mode; without speculation, which
             # stream_generate does not do either (part 6 measures it).
@@ -616,6 +666,11 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
+    if not args.no_results:
+        linux = sys.platform == "linux"  # part 2 runs on Linux only
+        ran = [n for n in range(1, 9) if n in parts and (n != 2 or linux)]
+        append_results(RESULTS, header, ran, lines)
+        sys.stdout.write(f"appended to {RESULTS}\n")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Soak test: a real backend serving the default model under mixed concurrent load.
 
-``make soak`` (``SOAK_MINUTES=``) or ``python soak.py --minutes M``. Streaming and
-unary requests, client cancels and short deadlines, seeded and greedy, chat and raw
-prompts, at 16 at a time. It reports the requests done, errors by status code,
-latency per kind, Health latency and the server's RSS over time, and fails on
-UNKNOWN/INTERNAL (or any other unexpected status), a hang, RSS growth of more than
-15% after the warm-up, a wrong greedy reference answer at the end, or an unclean
-SIGTERM shutdown.
+``make soak`` (``SOAK_MINUTES=``) or ``python -m bench.soak --minutes M`` from the
+project root. Streaming and unary requests, client cancels and short deadlines,
+seeded and greedy, chat and raw prompts, at 16 at a time. It reports the requests
+done, errors by status code, latency per kind, Health latency and the server's RSS
+over time, and fails on UNKNOWN/INTERNAL (or any other unexpected status), a hang,
+RSS growth of more than 15% after the warm-up, a wrong greedy reference answer at
+the end, or an unclean SIGTERM shutdown.
 """
 
 import argparse
@@ -26,7 +26,7 @@ import grpc
 
 import backend_pb2 as pb
 import backend_pb2_grpc
-from bench.bench_batching import TOPICS, percentile
+from bench.batching import TOPICS, percentile
 from tests.support import ANSWER, QUESTION, Server, chat, rss_kib
 
 logger = logging.getLogger(__name__)

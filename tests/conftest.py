@@ -1,20 +1,25 @@
 """pytest's hooks and shared fixtures. The helpers they use, which bench/ uses too,
 are in ``tests/support.py``.
 
-Each test is marked by the folder it lives in: ``unit`` (fakes and tiny models),
-``engine`` (an in-process engine on the default model) or ``e2e`` (a backend
-process on a real port).
+Each test lives in the folder of its kind, which marks it: ``tests/unit`` (fakes,
+pure functions and tiny models), ``tests/engine`` (an in-process engine on the
+default model) or ``tests/e2e`` (a backend process on a real port). A test
+elsewhere must carry one of those markers itself (the root's test_mlx_cache.py is
+``unit``); one with no kind, or two, stops the run, so that ``-m unit``,
+``-m engine`` and ``-m e2e`` split the suite.
 """
 
 import os
 from pathlib import Path
 
 import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_backend.cpu.path import BLAS_THREAD_ENV, CPU_PACING_ENV, physical_cores
-from tests.support import Server, start_default_server
+from tests.support import Server, make_chat_folders, start_default_server
 
 KINDS = ("unit", "engine", "e2e")
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_configure(config):
@@ -31,11 +36,42 @@ def pytest_configure(config):
             os.environ.setdefault(name, share)
 
 
-def pytest_collection_modifyitems(config, items):
+def folder_kind(path: Path) -> str | None:
+    """``unit``, ``engine`` or ``e2e`` for a file under that folder of tests/."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in KINDS else None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Marks each test by its folder; a test with no kind, or with two, is a usage
+    error that names it."""
+    wrong = []
     for item in items:
-        kind = next((k for k in KINDS if k in Path(item.fspath).parts), None)
+        kind = folder_kind(item.path)
         if kind is not None:
             item.add_marker(kind)
+        marked = {k for k in KINDS if item.get_closest_marker(k) is not None}
+        if len(marked) != 1:
+            kinds = " and ".join(sorted(marked)) if marked else "no kind"
+            wrong.append(f"  {item.nodeid} ({kinds})")
+    if wrong:
+        folders = ", ".join(f"tests/{k}/" for k in KINDS)
+        message = (
+            f"every test is of one kind: it lives in {folders} or carries one of "
+            f"the markers {', '.join(KINDS)}. These are not:\n" + "\n".join(wrong)
+        )
+        if hasattr(config, "workerinput"):
+            # An xdist worker's usage error never reaches the terminal (the run
+            # ends in an INTERNALERROR); a worker that runs nothing and asks to
+            # stop has the controller end the run with this message.
+            config.hook.pytest_deselected(items=list(items))
+            items.clear()
+            session.shouldstop = message
+            return
+        raise pytest.UsageError(message)
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +87,18 @@ def bare_server():
     srv = Server(env={"LOCALAI_GRPC_AUTH_TOKEN": "s3cret"})
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """The chat models by template name (``json``, ``open``, ``coder``): the default
+    weights with reasoning and tool-call markers. The parser's tests and the
+    structured-output server's share them."""
+    return make_chat_folders(tmp_path_factory.mktemp("chat-models"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(folders):
+    """The ``json`` chat model's tokenizer (a test module may have a ``tokenizer``
+    of its own)."""
+    return load_tokenizer(folders["json"])

@@ -1,5 +1,7 @@
 """Test helpers: a real backend process on a real port, an in-process engine, and
-request builders. Tests, ``conftest.py`` and bench/ import them from here."""
+request builders; the tiny models, adapters and chat models that tests build.
+Tests, ``conftest.py`` and bench/ import them from here; no test module imports
+another."""
 
 import asyncio
 import dataclasses
@@ -18,9 +20,12 @@ from pathlib import Path
 
 import grpc
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.sample_utils import greedy_sampler
 
 import backend_pb2 as pb
 import backend_pb2_grpc
@@ -32,15 +37,18 @@ from mlx_backend.cpu.path import (
     fast_blas_in_use,
     physical_cores,
 )
+from mlx_backend.decoders.base import NewSequence
 from mlx_backend.engine.engine import Engine
-from mlx_backend.models.gguf import save_tokenizer
+from mlx_backend.models.gguf import export_mlx_folder, save_tokenizer
 from mlx_backend.models.loading import ModelInfo, default_model_path
 from mlx_backend.output.chat_output import merge_deltas
 from mlx_backend.request_parsing import GenerationRequest
+from mlx_utils import make_kv_cache
 from python_utils import parse_options
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
+QUESTIONS = (QUESTION, "Name three colors.", "Write a short poem about the sea.")
 ANSWER = "The capital of France is Paris."
 ANSWER_TOKENS = 7
 # The tokens of ANSWER, as logprob entries name them.
@@ -241,6 +249,11 @@ def server_rss_mib(server) -> int:
     return rss_kib(server.process.pid) // 1024
 
 
+def entries_of(reply) -> list[dict]:
+    """A reply's logprob entries, as its JSON ``logprobs`` lists them."""
+    return json.loads(reply.logprobs)["content"] if reply.logprobs else []
+
+
 # -- grammars -------------------------------------------------------------------
 
 PERSON_SCHEMA = {
@@ -312,6 +325,10 @@ def load_engine(*options: str, draft: str = "") -> Engine:
     ).result()
     return engine
 
+
+# Speculative decoders' costs where every k costs one pass: each step verifies all
+# it can, so runs are long and the same on every machine.
+FLAT = (1.0,) * 9
 
 # A llama small enough to build in a test; the tests set its vocabulary.
 TINY_LLAMA = {
@@ -423,3 +440,201 @@ def stats_after(engine: Engine) -> dict[str, int]:
 def on_engine_thread(engine: Engine, fn):
     """``fn(model, options)`` on the engine thread, which owns the MLX objects."""
     return engine.call(lambda: fn(engine._loaded.model, engine.info.options)).result()
+
+
+def drive(
+    decoder, model, options, prompts, max_tokens: int, logprobs: int | None
+) -> dict:
+    """Each prompt's greedy tokens, logprob entries and final KV state."""
+    keys = [
+        decoder.add(
+            NewSequence(
+                prompt=prompt,
+                rest=prompt,
+                kv_cache=make_kv_cache(model, options),
+                sampler=greedy_sampler,
+                processors=[],
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+            )
+        )
+        for prompt in prompts
+    ]
+    out = {key: ([], [], None) for key in keys}
+    pending = set(keys)
+    while pending:
+        for result in decoder.step():
+            assert result.error is None
+            tokens, scores, _ = out[result.key]
+            tokens += result.tokens
+            scores += result.logprobs
+            if result.done:
+                pending.discard(result.key)
+                state = result.state or decoder.remove(result.key)
+                out[result.key] = (tokens, scores, state)
+    return [out[key] for key in keys]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+
+
+# -- LoRA adapters for a tiny llama ----------------------------------------------
+
+
+def tiny_model() -> llama.Model:
+    """The same random tiny llama on every call."""
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": 64}))
+    mx.eval(model.parameters())
+    return model
+
+
+def write_adapter(
+    folder: Path,
+    seed: int,
+    own_scale: float = 2.0,
+    rank: int = 4,
+    config: dict | None = None,
+    weights: dict | None = None,
+) -> Path:
+    """An adapter as mlx_lm.lora saves one, for every linear of the tiny llama's
+    layers, with random nonzero lora_b (mlx-lm starts it at zero)."""
+    folder.mkdir(parents=True)
+    config = config or {
+        "fine_tune_type": "lora",
+        "num_layers": 2,
+        "lora_parameters": {"rank": rank, "scale": own_scale, "dropout": 0.0},
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    if weights is None:
+        mx.random.seed(seed)
+        weights = {}
+        for name, module in tiny_model().named_modules():
+            if name.startswith("model.layers.") and isinstance(module, nn.Linear):
+                out_dims, in_dims = module.weight.shape
+                bound = in_dims**-0.5
+                a = mx.random.uniform(-bound, bound, (in_dims, rank))
+                weights[f"{name}.lora_a"] = a
+                weights[f"{name}.lora_b"] = 0.05 * mx.random.normal((rank, out_dims))
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    return folder
+
+
+# -- chat models: the default weights with reasoning and tool-call markers ----------
+
+MARKER_TOKENS = {3: "<think>", 4: "</think>", 5: "<tool_call>", 6: "</tool_call>"}
+
+# Qwen2.5/Qwen3-style: JSON calls in <tool_call>, reasoning in <think>.
+JSON_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}
+<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+# The same, but the assistant turn opens inside thinking (Qwen3 2507 Thinking).
+OPEN_THINK_TEMPLATE = JSON_TEMPLATE.replace(
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n",
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n",
+)
+
+# Qwen3-Coder: XML-style calls, <tool_call>\n<function=NAME>\n<parameter=K>\nV\n...
+CODER_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for tool_call in message.tool_calls or [] %}
+<tool_call>
+<function={{ tool_call.function.name }}>
+{%- for key, value in tool_call.function.arguments.items() %}
+<parameter={{ key }}>
+{{ value }}
+</parameter>
+{%- endfor %}
+</function>
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+THOUGHT = "The user wants the weather. I should call the tool."
+CALL_PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+CALL_LYON = '{"name": "get_weather", "arguments": {"city": "Lyon"}}'
+REPLY = (
+    f"<think>\n{THOUGHT}\n</think>\n\nLet me check both cities."
+    f"<tool_call>\n{CALL_PARIS}\n</tool_call>\n<tool_call>\n{CALL_LYON}\n</tool_call>"
+)
+
+
+def make_chat_folder(base: Path, folder: Path, template: str) -> Path:
+    """The exported default model with marker tokens and ``template``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "config.json"):
+        (folder / name).symlink_to(base / name)
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    for entry in tokenizer["added_tokens"]:
+        if entry["id"] in MARKER_TOKENS:
+            del vocab[entry["content"]]
+            entry["content"] = MARKER_TOKENS[entry["id"]]
+            entry["special"] = False  # as in Qwen: the markers decode as text
+            vocab[entry["content"]] = entry["id"]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def make_chat_folders(root: Path) -> dict[str, Path]:
+    """The default model exported under ``root``, and a chat folder for each
+    template: ``json``, ``open`` (the turn opens inside thinking) and ``coder``."""
+    base = export_mlx_folder(default_model_path(), root / "base")
+    templates = {
+        "json": JSON_TEMPLATE,
+        "open": OPEN_THINK_TEMPLATE,
+        "coder": CODER_TEMPLATE,
+    }
+    return {
+        name: make_chat_folder(base, root / name, template)
+        for name, template in templates.items()
+    }

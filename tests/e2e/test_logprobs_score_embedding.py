@@ -13,6 +13,7 @@ from tests.support import (
     ANSWER_PIECES,
     MODEL,
     chat,
+    entries_of,
     error_of,
     run_concurrently,
     start_default_server,
@@ -28,10 +29,6 @@ def server():
     srv = start_default_server(MODEL, forcing=True)
     yield srv
     srv.stop()
-
-
-def entries_of(reply) -> list[dict]:
-    return json.loads(reply.logprobs)["content"] if reply.logprobs else []
 
 
 def joined_bytes(entries) -> bytes:

@@ -1,5 +1,7 @@
 """In-process engine tests on the embedded model: the decoder contract, parity of
-the batched and single paths, forced tokens, cancellation and unload.
+the batched and single paths, forced tokens, cancellation and unload, load
+options, shared prefixes prefilled once, bursts admitted together, BLAS threads
+and CPU pacing at load.
 
 No gRPC here: requests go straight to ``Engine.submit`` as the servicer hands
 them over, and each test loads the options it needs.
@@ -16,8 +18,6 @@ import time
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
-from mlx_lm.sample_utils import greedy_sampler
 
 import mlx_backend.engine.engine as engine_module
 from mlx_backend.cpu.path import (
@@ -25,33 +25,24 @@ from mlx_backend.cpu.path import (
     CPU_PACING_ENV,
     blas_threads,
     choose_blas_threads,
-    choose_pacing,
-    pacing_setting,
     physical_cores,
     set_blas_threads,
 )
-from mlx_backend.decoders.base import (
-    BatchDecoder,
-    KVState,
-    NewSequence,
-    SingleDecoder,
-    measured_once,
-)
+from mlx_backend.decoders.base import BatchDecoder, KVState, SingleDecoder
 from mlx_backend.engine.engine import Engine, common_length
 from mlx_backend.errors import Aborted, FailedPrecondition
 from mlx_backend.output.reply_pipeline import Finished, Output
 from mlx_backend.request_parsing import GenerationRequest, SamplingParams
-from mlx_utils import make_kv_cache
 from python_utils import parse_options
 from tests.support import (
     ANSWER,
     ANSWER_PIECES,
     PERSON_SCHEMA,
-    QUESTION,
-    TINY_LLAMA,
+    QUESTIONS,
     chat_prompt,
     check_person,
     collect,
+    drive,
     generation,
     load_engine,
     make_forcing_processor,
@@ -62,7 +53,6 @@ from tests.support import (
     wait_idle,
 )
 
-QUESTIONS = (QUESTION, "Name three colors.", "Write a short poem about the sea.")
 # Options that make the single-sequence decoder (rotating KV caches can't batch).
 SINGLE = ("max_kv_size:4096",)
 
@@ -81,39 +71,6 @@ def test_greedy_answer(engine):
     assert isinstance(final, Finished)
     assert (final.finish_reason, final.prompt_tokens) == ("stop", 37)
     assert all(isinstance(e, Output) for e in events[:-1])
-
-
-def drive(
-    decoder, model, options, prompts, max_tokens: int, logprobs: int | None
-) -> dict:
-    """Each prompt's greedy tokens, logprob entries and final KV state."""
-    keys = [
-        decoder.add(
-            NewSequence(
-                prompt=prompt,
-                rest=prompt,
-                kv_cache=make_kv_cache(model, options),
-                sampler=greedy_sampler,
-                processors=[],
-                max_tokens=max_tokens,
-                logprobs=logprobs,
-            )
-        )
-        for prompt in prompts
-    ]
-    out = {key: ([], [], None) for key in keys}
-    pending = set(keys)
-    while pending:
-        for result in decoder.step():
-            assert result.error is None
-            tokens, scores, _ = out[result.key]
-            tokens += result.tokens
-            scores += result.logprobs
-            if result.done:
-                pending.discard(result.key)
-                state = result.state or decoder.remove(result.key)
-                out[result.key] = (tokens, scores, state)
-    return [out[key] for key in keys]
 
 
 def test_batched_and_single_decoders_agree(engine):
@@ -608,50 +565,6 @@ def test_threads_cap_the_blas(monkeypatch):
         set_blas_threads(before)
 
 
-def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():
-    # (paced, unpaced) tok/s per round: unpaced steps must win on average by 5%.
-    slower = [(30.0, 39.0), (31.0, 38.0), (29.0, 40.0)]
-    pacing = choose_pacing("auto", slower)
-    assert not pacing.paced
-    assert pacing.describe() == (
-        "CPU pacing off (auto, measured: tok/s paced 30.0, unpaced 39.0; "
-        "paced/unpaced by round 0.77, 0.82, 0.72)"
-    )
-    assert choose_pacing("auto", [(40.0, 41.9)]).describe() == (
-        "CPU pacing on (auto, measured: tok/s paced 40.0, unpaced 41.9)"
-    )
-    assert not choose_pacing("auto", [(40.0, 42.1)]).paced
-    assert choose_pacing("auto", [(40.0, 33.0), (41.0, 34.0)]).paced
-    # A round that the machine's noise turned around doesn't veto the others.
-    assert not choose_pacing("auto", [(34.0, 40.0), (41.0, 40.0)]).paced
-    # A tie paces: unpaced steps' losses come in spells a short measurement misses.
-    assert choose_pacing("auto", [(40.0, 33.0), (33.0, 40.0)]).paced
-    assert choose_pacing("auto").describe() == "CPU pacing off (auto, not measured)"
-    assert choose_pacing("on", slower).describe() == "CPU pacing on (cpu_pacing:on)"
-    assert not choose_pacing("off", [(40.0, 33.0)]).paced
-
-
-def test_a_load_time_measurement_is_kept_for_the_same_weights_and_key():
-    def tiny(seed: int) -> llama.Model:
-        mx.random.seed(seed)
-        model = llama.Model(llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": 64}))
-        mx.eval(model.parameters())
-        return model
-
-    calls = []
-
-    def measure():
-        calls.append(len(calls))
-        return calls[-1]
-
-    model = tiny(1)
-    assert measured_once(model, ("test", 8), measure) == 0
-    assert measured_once(tiny(1), ("test", 8), measure) == 0  # a reload
-    assert measured_once(model, ("test", 4), measure) == 1
-    assert measured_once(tiny(2), ("test", 8), measure) == 2  # other weights
-    assert calls == [0, 1, 2]
-
-
 def test_pacing_keeps_the_greedy_tokens(engine):
     """Paced and unpaced batched steps decode the same tokens, alone and batched."""
     if engine.info.options.max_kv_size is not None:
@@ -673,19 +586,6 @@ def test_pacing_keeps_the_greedy_tokens(engine):
     for plain, with_pacing in zip(unpaced, paced):
         assert [t for t, _, _ in plain] == [t for t, _, _ in with_pacing]
     assert unpaced[0][0][0] == unpaced[1][0][0]  # alone as in the batch
-
-
-def test_the_host_sets_pacing_unless_the_option_says():
-    assert pacing_setting("auto", {}) == ("auto", "auto")
-    assert pacing_setting("auto", {CPU_PACING_ENV: " Auto "}) == ("auto", "auto")
-    host = {CPU_PACING_ENV: "on"}
-    assert pacing_setting("auto", host) == ("on", "MLX_BACKEND_CPU_PACING=on")
-    assert pacing_setting("off", host) == ("off", "cpu_pacing:off")
-    with pytest.raises(FailedPrecondition) as error:
-        pacing_setting("auto", {CPU_PACING_ENV: "fast"})
-    assert str(error.value) == (
-        "MLX_BACKEND_CPU_PACING must be one of auto, on, off, not 'fast'"
-    )
 
 
 def test_pacing_is_chosen_at_load_and_reported(monkeypatch):

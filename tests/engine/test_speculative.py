@@ -3,16 +3,13 @@
 The output is what plain decoding gives, alone, in a batch and when a lone
 sequence joins a batch, and it is cut where plain decoding cuts it; seeded
 sampling draws the same tokens; cancellation stops it; Status and the request
-metrics count proposals. The sampled distribution is checked on a tiny llama.
+metrics count proposals; draft models propose. (tests/unit/test_speculative.py
+checks the sampled distribution on a tiny llama.)
 """
 
 import asyncio
-import math
-from collections import Counter
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -23,11 +20,10 @@ from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.loading import ModelLoadError, default_model_path
 from mlx_backend.output.reply_pipeline import Finished
 from mlx_backend.request_parsing import SamplingParams
-from mlx_backend.sampling import make_seeded_sampler
 from python_utils import LoadOptions
 from tests.support import (
+    FLAT,
     QUESTION,
-    TINY_LLAMA,
     chat_prompt,
     collect,
     generation,
@@ -48,9 +44,6 @@ PARAGRAPH = (
 )
 REPEAT = "Repeat this paragraph exactly, word for word:\n\n" + PARAGRAPH
 POEM = "Write a short poem about the sea."
-# Every k costs one pass: each step verifies all it can, so runs are long and
-# the same on every machine.
-FLAT = (1.0,) * 9
 
 
 @pytest.fixture(scope="module")
@@ -315,81 +308,3 @@ def test_a_draft_with_another_vocabulary_fails_the_load(tmp_path):
             engine.load("", LoadOptions(speculative="draft"), 0).result()
     finally:
         engine.shutdown()
-
-
-# -- the sampled distribution, on a tiny llama ------------------------------
-
-VOCAB = 24
-SEED = 0
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    args = llama.ModelArgs.from_dict(
-        {**TINY_LLAMA, "num_hidden_layers": 1, "vocab_size": VOCAB}
-    )
-    # A fixed model, whose proposals are sometimes accepted.
-    mx.random.seed(SEED)
-    model = llama.Model(args)
-    # Sharper than a fresh model's distributions, so that proposals often hold.
-    model.lm_head.weight = model.lm_head.weight * 8
-    mx.eval(model.parameters())
-    return model
-
-
-def chi_square_critical(df: int, z: float = 3.09) -> float:
-    """The chi-square value with upper tail probability 0.001 (Wilson-Hilferty)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-class EagerLookup(NgramProposer):
-    """Prompt lookup verified from the first decoded token on, as a draft model's
-    proposals are, rather than after its guesses have held."""
-
-    cheap = False
-
-
-def test_speculative_sampling_keeps_the_model_distribution(tiny):
-    """The second token (the first one a verification pass samples, after the
-    n-gram proposal from the repeated prompt) follows the model's own
-    distribution: a chi-square test over seeded draws against exact probabilities."""
-    # Every token occurs in the prompt: whatever comes first, a proposal follows.
-    prompt = tuple(range(VOCAB)) + (3, 4, 5)
-    decoder = SpeculativeDecoder(
-        BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
-        tiny,
-        4,
-        lambda: EagerLookup(1, 3),
-        costs=FLAT,
-    )
-    draws = 1200
-    counts: Counter = Counter()
-    for seed in range(draws):
-        decoder.add(
-            NewSequence(
-                prompt,
-                prompt,
-                make_prompt_cache(tiny),
-                make_seeded_sampler(1.0, 0.0, 0.0, 0, seed),
-                [],
-                6,
-                draft_tokens=4,
-            )
-        )
-        tokens = []
-        while len(tokens) < 2:
-            tokens += [t for r in decoder.step() for t in r.tokens]
-        decoder.reset()
-        counts[tokens[1]] += 1
-    assert decoder.draft_proposed > 0 and 0 < decoder.draft_accepted
-    # Exact: p(second) = sum over first of p(first) p(second | first).
-    first = mx.softmax(tiny(mx.array([prompt]))[0, -1])
-    extended = mx.array([prompt + (t,) for t in range(VOCAB)])
-    second = first @ mx.softmax(tiny(extended)[:, -1], axis=-1)
-    expected = [p * draws for p in second.tolist()]
-    # Tokens expected fewer than 5 times are pooled into one bin.
-    small = [t for t in range(VOCAB) if expected[t] < 5]
-    bins = [(counts[t], expected[t]) for t in range(VOCAB) if expected[t] >= 5]
-    bins.append((sum(counts[t] for t in small), sum(expected[t] for t in small)))
-    statistic = sum((o - e) ** 2 / e for o, e in bins if e > 0)
-    assert statistic < chi_square_critical(len(bins) - 1), (statistic, bins)

@@ -1,4 +1,6 @@
-"""lora.py on a tiny llama: composition, fusing, quantized bases, refusals."""
+"""lora.py on a tiny llama: composition, fusing, quantized bases, refusals, and
+the request fields that name adapters. (tests/engine/test_lora.py loads adapters
+on the embedded model.)"""
 
 import json
 from pathlib import Path
@@ -12,7 +14,6 @@ from mlx_lm.models import llama
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import load_adapters
 
-from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.lora import (
     Adapter,
@@ -21,56 +22,16 @@ from mlx_backend.models.lora import (
     apply_adapters,
     make_adapters,
 )
-from python_utils import parse_options
-from tests.support import ANSWER, TINY_LLAMA, generation, load_engine, run, text_of
+from tests.support import tiny_model, write_adapter
 
 TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11]])
 Q_PROJ = "model.layers.0.self_attn.q_proj"
-
-
-def tiny_model() -> llama.Model:
-    """The same random tiny llama on every call."""
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": 64}))
-    mx.eval(model.parameters())
-    return model
 
 
 def logits(model: nn.Module) -> mx.array:
     out = model(TOKENS)
     mx.eval(out)
     return out
-
-
-def write_adapter(
-    folder: Path,
-    seed: int,
-    own_scale: float = 2.0,
-    rank: int = 4,
-    config: dict | None = None,
-    weights: dict | None = None,
-) -> Path:
-    """An adapter as mlx_lm.lora saves one, for every linear of the tiny llama's
-    layers, with random nonzero lora_b (mlx-lm starts it at zero)."""
-    folder.mkdir(parents=True)
-    config = config or {
-        "fine_tune_type": "lora",
-        "num_layers": 2,
-        "lora_parameters": {"rank": rank, "scale": own_scale, "dropout": 0.0},
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    if weights is None:
-        mx.random.seed(seed)
-        weights = {}
-        for name, module in tiny_model().named_modules():
-            if name.startswith("model.layers.") and isinstance(module, nn.Linear):
-                out_dims, in_dims = module.weight.shape
-                bound = in_dims**-0.5
-                a = mx.random.uniform(-bound, bound, (in_dims, rank))
-                weights[f"{name}.lora_a"] = a
-                weights[f"{name}.lora_b"] = 0.05 * mx.random.normal((rank, out_dims))
-    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
-    return folder
 
 
 @pytest.fixture
@@ -266,69 +227,6 @@ def test_broken_adapters_are_refused(tmp_path, config, weights, why):
         apply_adapters(model, [Adapter(folder)])
     assert str(folder) in str(error.value)
     assert why in str(error.value)
-
-
-# -- the engine, on the embedded model ------------------------------------------
-
-
-def smollm_adapter(folder: Path, seed: int, layers: int = 6) -> Path:
-    """A rank-4 adapter on the first ``layers`` layers' q_proj and v_proj of
-    SmolLM2-135M (576 wide, 3 KV heads of 64), strong enough to change its
-    greedy text."""
-    folder.mkdir(parents=True)
-    config = {"lora_parameters": {"rank": 4, "scale": 8.0, "dropout": 0.0}}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    mx.random.seed(seed)
-    weights = {}
-    for layer in range(layers):
-        for proj, out_dims in (("q_proj", 576), ("v_proj", 192)):
-            name = f"model.layers.{layer}.self_attn.{proj}"
-            weights[f"{name}.lora_a"] = mx.random.normal((576, 4)) * 0.05
-            weights[f"{name}.lora_b"] = mx.random.normal((4, out_dims)) * 0.5
-    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
-    return folder
-
-
-def greedy_answer(*adapters: tuple[Path, float], fuse: bool = False) -> str:
-    engine = Engine()
-    try:
-        options = parse_options([f"fuse_lora:{fuse}", "max_tokens:24"])
-        engine.load(
-            "",
-            options,
-            0,
-            identity="default",
-            adapters=tuple(Adapter(path, scale) for path, scale in adapters),
-        ).result()
-        return text_of(run(engine, generation(engine))[0])
-    finally:
-        engine.shutdown()
-
-
-def test_adapters_on_the_embedded_model(tmp_path: Path):
-    one = smollm_adapter(tmp_path / "one", seed=1)
-    two = smollm_adapter(tmp_path / "two", seed=2)
-    base = ANSWER  # the model's own greedy answer
-    assert greedy_answer((one, 0.0)) == base
-    adapted = greedy_answer((one, 1.0))
-    assert adapted != base
-    assert greedy_answer((one, 1.0), fuse=True) == adapted
-    assert greedy_answer((one, 1.0), (two, 1.0)) not in (base, adapted)
-
-
-def test_a_failed_adapter_keeps_the_model(tmp_path: Path):
-    engine = load_engine()
-    try:
-        before = text_of(run(engine, generation(engine))[0])
-        tiny = write_adapter(tmp_path / "tiny", seed=1)
-        with pytest.raises(AdapterError, match="does not fit this model"):
-            engine.load(
-                "", parse_options([]), 0, adapters=(Adapter(tiny, 1.0),)
-            ).result()
-        assert engine.stats.state == "ready"
-        assert text_of(run(engine, generation(engine))[0]) == before
-    finally:
-        engine.shutdown()
 
 
 def test_adapter_fields_become_adapters(tmp_path: Path):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import backend_pb2 as pb
-from bench.bench_batching import grpc_stream, run_concurrently
+from bench.batching import grpc_stream, run_concurrently
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ ENGINE_STAGES = (
     (("sampling.py", "sample_utils.py", "grammar.py"), "sampling"),
     (("mlx_lm/models/",), "forward pass: graph building"),
     (("GenerationBatch", "BatchGenerator"), "step evaluation (MLX encode, wait)"),
-    (("_Outbox", "call_soon_threadsafe"), "hand-off to the event loop"),
+    # "Outbox" also matches the engine's older class name, "_Outbox".
+    (("Outbox", "call_soon_threadsafe"), "hand-off to the event loop"),
 )
 
 

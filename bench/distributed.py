@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import backend_pb2 as pb
-from bench.bench_batching import grpc_stream, run_concurrently
+from bench.batching import grpc_stream, run_concurrently
 from tests.support import MODEL, Server, Worker, rss_kib, write_hostfile
 
 logger = logging.getLogger(__name__)

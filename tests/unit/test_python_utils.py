@@ -37,7 +37,7 @@ from python_utils import (
 )
 
 WIRE_REFERENCE = (
-    Path(__file__).resolve().parent.parent / "shared/reference/localai-backend-wire.md"
+    Path(__file__).resolve().parents[2] / "shared/reference/localai-backend-wire.md"
 )
 
 

@@ -15,7 +15,7 @@ import logging
 import statistics
 
 import backend_pb2 as pb
-from bench.bench_batching import (
+from bench.batching import (
     grpc_stream,
     http_stream,
     mlx_lm_server,

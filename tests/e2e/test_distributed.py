@@ -1,15 +1,14 @@
-"""Serving over an MLX distributed group, on loopback.
+"""End to end: serving over an MLX distributed group of processes, on loopback.
 
 A tiny llama whose head counts divide by 2 runs tensor parallel over 2 ranks (the
 worker started with LocalAI's flags) and answers as one process does: greedy text
 for concurrent prompts, seeded sampling, logprobs, a grammar, cancellation, Score
 and Embedding. The default model runs pipeline parallel over 2 ranks under
 ``mlx.launch`` and tensor parallel over 3. A killed worker, a missing one and rank
-0's shutdown end as the README says.
+0's shutdown end as the README says. (tests/unit/test_distributed.py checks the
+settings and splits without processes.)
 """
 
-import dataclasses
-import json
 import re
 import signal
 import socket
@@ -23,31 +22,18 @@ import mlx.core as mx
 import pytest
 
 import backend_pb2 as pb
-from mlx_backend.cpu.path import blas_threads, set_blas_threads
-from mlx_backend.distributed.group import (
-    GroupSettings,
-    check_in,
-    gather_workers,
-    group_environment,
-    leader_settings,
-    pipeline_size_fn,
-    worker_settings,
-)
-from mlx_backend.distributed.sharding import ShardingError, choose_mode
-from mlx_backend.errors import InvalidArgument, Unavailable
-from python_utils import parse_options
 from tests.support import (
     ANSWER,
     MODEL,
     Server,
     Worker,
     chat,
+    entries_of,
     error_of,
     make_tiny_draft,
     run_concurrently,
     write_hostfile,
 )
-from tests.test_logprobs_score_embedding import entries_of
 
 PROMPTS = [
     "The capital of France is",
@@ -73,131 +59,6 @@ def load(server: Server, model: str, *options: str) -> pb.Result:
     )
     assert result.success, f"{result.message}\n{server.logs()}"
     return result
-
-
-# -- settings and splits, no processes ----------------------------------------
-
-
-def test_rank_0_joins_a_group_from_the_option_or_the_environment():
-    assert leader_settings(parse_options([]), {}) is None
-    by_option = leader_settings(parse_options(["hostfile:/x/Hosts.json"]), {})
-    assert by_option == GroupSettings("ring", "/x/Hosts.json", timeout=60.0)
-    by_env = leader_settings(
-        parse_options(["distributed_timeout:5"]),
-        {"MLX_DISTRIBUTED_HOSTFILE": "/h.json", "MLX_DISTRIBUTED_BACKEND": "jaccl"},
-    )
-    assert (by_env.backend, by_env.hostfile, by_env.timeout) == ("jaccl", "/h.json", 5)
-    launched = leader_settings(
-        parse_options([]), {"MLX_RANK": "0", "MLX_HOSTFILE": "/tmp/launch.json"}
-    )
-    assert (launched.backend, launched.hostfile) == ("ring", "/tmp/launch.json")
-    assert group_environment(by_option) == {
-        "MLX_HOSTFILE": "/x/Hosts.json",
-        "MLX_RANK": "0",
-    }
-
-
-def test_worker_flags_are_checked():
-    settings = worker_settings("/h.json", 2, "jaccl", "10.0.0.1:5000", {})
-    assert group_environment(settings) == {
-        "MLX_IBV_DEVICES": "/h.json",
-        "MLX_RANK": "2",
-        "MLX_JACCL_COORDINATOR": "10.0.0.1:5000",
-    }
-    for args, field in [
-        (("/h.json", 0, "ring", ""), "--rank"),
-        (("/h.json", None, "ring", ""), "--rank"),
-        (("", 1, "ring", ""), "--hostfile"),
-        (("/h.json", 1, "tcp", ""), "--backend"),
-    ]:
-        with pytest.raises(InvalidArgument, match=field):
-            worker_settings(*args, {})
-
-
-def test_bad_distributed_options_are_invalid_argument():
-    for option, field in [
-        ("distributed_backend:tcp", "distributed_backend"),
-        ("distributed_mode:data", "distributed_mode"),
-        ("distributed_timeout:0", "distributed_timeout"),
-        ("distributed_step_timeout:-1", "distributed_step_timeout"),
-    ]:
-        with pytest.raises(InvalidArgument, match=field):
-            parse_options([option])
-
-
-def test_workers_check_in_before_the_group_forms(tmp_path):
-    """The check-in that precedes MLX's init, over loopback sockets alone."""
-    ring = write_hostfile(tmp_path, 3)
-    devices = tmp_path / "devices.json"
-    devices.write_text(json.dumps([[None, "rdma_en2"], ["rdma_en2", None]]))
-    # A free port for the JACCL coordinator (rank 0's, as mlx.launch sets it).
-    (coordinator,) = json.loads(write_hostfile(tmp_path, 1).read_text())[0]
-    for backend, hostfile, ranks in (("ring", ring, 3), ("jaccl", devices, 2)):
-        settings = GroupSettings(backend, str(hostfile), coordinator=coordinator)
-        workers = [
-            threading.Thread(
-                target=check_in, args=(dataclasses.replace(settings, rank=rank), 0.05)
-            )
-            for rank in range(1, ranks)
-        ]
-        for worker in workers:
-            worker.start()
-        gather_workers(dataclasses.replace(settings, timeout=10))
-        for worker in workers:
-            worker.join(10)
-            assert not worker.is_alive()
-    # No worker comes: the message names the ranks.
-    with pytest.raises(Unavailable, match="ranks 1, 2 of the distributed group"):
-        gather_workers(GroupSettings("ring", str(ring), timeout=1))
-
-
-class _Args:
-    num_attention_heads = 9
-    num_key_value_heads = 3
-    intermediate_size = 1536
-
-
-class _Inner:
-    layers = [object()] * 30
-
-
-class _SmolLM2:
-    """The default model's shape, as the split checks read it."""
-
-    args = _Args()
-    model = _Inner()
-
-    def shard(self, group):
-        pass
-
-
-def test_the_split_follows_the_head_and_layer_counts():
-    model = _SmolLM2()
-    assert choose_mode(model, 3, "auto") == "tensor"
-    assert choose_mode(model, 2, "auto") == "pipeline"
-    with pytest.raises(ShardingError, match="9 query heads and 3 KV heads"):
-        choose_mode(model, 2, "tensor")
-    with pytest.raises(ShardingError, match="the model has 30"):
-        choose_mode(model, 31, "pipeline")
-
-
-def test_blas_threads_are_set_through_the_blas():
-    before = blas_threads()
-    if before is None:
-        pytest.skip("no fast BLAS preloaded (make test preloads one on Linux CPU)")
-    try:
-        assert set_blas_threads(1)
-        assert blas_threads() == 1
-    finally:
-        set_blas_threads(before)
-
-
-def test_pipeline_ranks_count_an_entry_as_if_it_held_every_layer():
-    class Layer:
-        nbytes = 1000
-
-    assert pipeline_size_fn([Layer()] * 15, 30) == 30000
-    assert pipeline_size_fn([Layer()] * 10, 30) == 30000
 
 
 # -- a tiny llama, tensor parallel over 2 ranks --------------------------------

@@ -1,4 +1,7 @@
-"""End-to-end tests: a real backend process, a real port, the real default model."""
+"""End-to-end tests of the server: a real backend process, a real port, the real
+default model. Generation and its options, continuous batching, the other RPCs,
+the fast CPU path, errors and failed loads, the prompt cache, auth, process
+conventions (SIGTERM, parent watch) and grpcurl through reflection."""
 
 import json
 import math
@@ -805,20 +808,6 @@ def test_prompt_tokens_count_the_whole_prompt_on_a_hit(server):
         <= speculation["draft_tokens_accepted"]
         <= speculation["draft_tokens_proposed"]
     )
-
-
-def test_internal_errors_map_to_internal():
-    import asyncio
-
-    from backend import _abort
-
-    class Context:
-        async def abort(self, code, details):
-            raise RuntimeError((code, details))
-
-    with pytest.raises(RuntimeError) as info:
-        asyncio.run(_abort(Context(), ZeroDivisionError("boom")))
-    assert info.value.args[0] == (grpc.StatusCode.INTERNAL, "ZeroDivisionError: boom")
 
 
 # -- auth, no model, load failures, free --------------------------------------------

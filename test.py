@@ -1,0 +1,44 @@
+"""The suite for ``python -m unittest test.py``, as LocalAI's test.sh runs it.
+
+One test runs the whole pytest suite (pyproject.toml: tests/ and test_mlx_cache.py)
+in a subprocess from the project root, in two workers that take a file each, with
+the fast BLAS preloaded the way backend.py's restart does it; pytest's output
+streams through, and the test fails when pytest does. ``make test`` and ./test.sh
+run it.
+
+PYTEST_ADDOPTS, pytest's own variable, adds options, e.g. one layer or a few tests:
+``PYTEST_ADDOPTS="-m unit" python -m unittest test.py`` or
+``PYTEST_ADDOPTS="-k grammar -x" ./test.sh``.
+"""
+
+import os
+import subprocess
+import sys
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+PYTEST = [sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadfile"]
+
+
+def suite_environment(environ) -> dict:
+    """``environ`` with the fast BLAS preloaded on Linux CPU (unchanged elsewhere):
+    MLX binds its BLAS when it loads, so pytest has to start with it."""
+    from mlx_backend.cpu.path import fast_blas_to_preload, preload_environment
+
+    library = fast_blas_to_preload(environ)
+    return preload_environment(environ, library) if library else dict(environ)
+
+
+class TestSuite(unittest.TestCase):
+    def test_pytest_suite(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        status = subprocess.run(
+            PYTEST, cwd=ROOT, env=suite_environment(os.environ)
+        ).returncode
+        self.assertEqual(status, 0, f"pytest exited with status {status}")
+
+
+if __name__ == "__main__":
+    unittest.main()

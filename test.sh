@@ -1,0 +1,32 @@
+#!/bin/bash
+# Run the test suite: `python -m unittest test.py`, which runs pytest (see test.py;
+# PYTEST_ADDOPTS="-m unit" picks a layer). Exits with the tests' status.
+#
+# Inside LocalAI (backend/python/mlx, with ../common/libbackend.sh): the venv that
+# install.sh made, the test requirements, then LocalAI's runUnittests. Standalone:
+# `make test-deps` (install.sh and requirements-test.txt, when out of date) first.
+set -euo pipefail
+
+backend_dir="$(cd "$(dirname "$0")" && pwd)"
+
+if [ -f "$backend_dir/common/libbackend.sh" ] || [ -f "$backend_dir/../common/libbackend.sh" ]; then
+    USE_PIP=true
+    if [ -f "$backend_dir/common/libbackend.sh" ]; then
+        source "$backend_dir/common/libbackend.sh"
+    else
+        source "$backend_dir/../common/libbackend.sh"
+    fi
+    ensureVenv
+    python -m pip install --requirement "$backend_dir/requirements-test.txt"
+    runUnittests
+    exit 0  # runUnittests fails the script (set -e) when a test fails
+fi
+
+cd "$backend_dir"
+if command -v make >/dev/null 2>&1; then
+    make --no-print-directory test-deps
+else
+    [ -x venv/bin/python ] || bash install.sh
+    venv/bin/python -m pip install --quiet -r requirements-test.txt
+fi
+exec venv/bin/python -m unittest test.py

@@ -1,0 +1,224 @@
+"""Structured output: reasoning and tool calls classified while tokens stream,
+through the engine's reply pipeline with the real tokenizer's streaming detokenizer.
+
+The real default weights are exported as an MLX folder whose tokenizer renames
+four unused special tokens to ``<think>``, ``</think>``, ``<tool_call>`` and
+``</tool_call>`` and carries a Qwen-style chat template, so mlx-lm detects the
+markers and the tool parser as it would for a Qwen model (conftest's ``folders``
+and ``tokenizer``). No model runs: the parser is fed the tokens of given text.
+"""
+
+import json
+import logging
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from mlx_backend.errors import InvalidArgument
+from mlx_backend.output.chat_output import (
+    Delta,
+    OutputOptions,
+    make_output_markers,
+    merge_deltas,
+)
+from mlx_backend.output.detokenizer import TokenBytes
+from mlx_backend.output.reply_pipeline import ReplyPipeline
+from mlx_backend.request_parsing import GenerationRequest
+from python_utils import parse_options
+from tests.support import CALL_LYON, CALL_PARIS, REPLY, THOUGHT
+
+# -- the parser, fed by the real tokenizer's streaming detokenizer -----------------
+
+
+def classify(tokenizer, pieces: list[str], stops=(), **options) -> list[Delta]:
+    """Deltas for a reply generated as the tokens of each piece in turn, through the
+    engine's reply pipeline: one per token, then the held-back rest."""
+    tokens = [t for p in pieces for t in tokenizer.encode(p, add_special_tokens=False)]
+    request = GenerationRequest(
+        prompt=(),
+        max_tokens=len(tokens) + 1,
+        stop=tuple(stops),
+        ignore_eos=True,
+        output=OutputOptions(classify=True, **options),
+    )
+    # No logprobs are asked for, so no token bytes are needed.
+    reply = ReplyPipeline(
+        request, tokenizer, make_output_markers(tokenizer), TokenBytes(())
+    )
+    deltas = []
+    for token in tokens:
+        event = reply.add(token)
+        deltas.append(event.delta if event else Delta())
+        if reply.finished:
+            return deltas
+    deltas.append(reply.finish("stop").delta)
+    return deltas
+
+
+def without_ids(delta: Delta) -> tuple:
+    calls = tuple((c.index, c.name, json.loads(c.arguments)) for c in delta.tool_calls)
+    return delta.content, delta.reasoning, calls
+
+
+def test_markers_come_from_the_tokenizer(folders, tokenizer):
+    markers = make_output_markers(tokenizer)
+    assert (markers.think_start, markers.think_end) == ("<think>", "</think>")
+    assert (markers.tool_call_start, markers.tool_call_end) == (
+        "<tool_call>",
+        "</tool_call>",
+    )
+    assert markers.tool_format == "json_tools"
+    assert make_output_markers(load_tokenizer(folders["coder"])).tool_format == (
+        "qwen3_coder"
+    )
+
+
+def test_the_tool_parser_option_replaces_the_inferred_markup(folders):
+    coder = load_tokenizer(folders["coder"])
+    hermes = make_output_markers(
+        coder, parse_options(["tool_parser:hermes"]).tool_parser
+    )
+    assert (hermes.tool_call_start, hermes.tool_call_end, hermes.tool_format) == (
+        "<tool_call>",
+        "</tool_call>",
+        "json_tools",
+    )
+    call = hermes.tool_parser('{"name": "get_weather", "arguments": {"city": "Nice"}}')
+    assert call == {"name": "get_weather", "arguments": {"city": "Nice"}}
+    assert make_output_markers(coder, "pythonic").tool_format == "pythonic"
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^Options: tool_parser must be one of "
+        r".*json_tools, .*pythonic, .* or hermes, not 'vllm'$",
+    ):
+        parse_options(["tool_parser:vllm"])
+
+
+def test_reasoning_content_and_two_tool_calls(tokenizer):
+    whole = merge_deltas(classify(tokenizer, [REPLY]))
+    assert without_ids(whole) == (
+        "Let me check both cities.\n",
+        THOUGHT + "\n",
+        (
+            (0, "get_weather", {"city": "Paris", "days": 2}),
+            (1, "get_weather", {"city": "Lyon"}),
+        ),
+    )
+    ids = [call.id for call in whole.tool_calls]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+    assert len(set(ids)) == 2
+
+
+def test_each_call_is_emitted_when_its_closing_marker_arrives(tokenizer):
+    deltas = classify(tokenizer, [f"<tool_call>\n{CALL_LYON}\n", "</tool_call>", "ok"])
+    with_calls = [i for i, d in enumerate(deltas) if d.tool_calls]
+    closing = len(tokenizer.encode(f"<tool_call>\n{CALL_LYON}\n"))
+    assert with_calls == [closing]
+    assert all(not d.content for d in deltas[:closing])
+    assert merge_deltas(deltas).content == "ok"
+
+
+@pytest.mark.parametrize("marker", ["<think>", "</think>", "<tool_call>"])
+def test_a_marker_split_into_characters_never_leaks(tokenizer, marker):
+    # Each character its own token: the marker is held back until resolved.
+    pieces = ["Hi "] + list("<think>") + ["hmm"] + list("</think>") + ["Done"]
+    if marker == "<tool_call>":
+        pieces = ["Hi "] + list(f"<tool_call>{CALL_LYON}</tool_call>") + ["Done"]
+    deltas = classify(tokenizer, pieces)
+    assert all("<" not in d.content for d in deltas)
+    whole = merge_deltas(deltas)
+    assert whole.content == "Hi Done"
+
+
+def test_a_partial_marker_that_never_completes_is_text(tokenizer):
+    whole = merge_deltas(classify(tokenizer, ["a <thin", "g> b <tool_c"]))
+    assert without_ids(whole) == ("a <thing> b <tool_c", "", ())
+
+
+def test_a_reply_that_opens_inside_thinking(tokenizer):
+    whole = merge_deltas(
+        classify(tokenizer, [THOUGHT, "</think>\n\nSunny."], reasoning_open=True)
+    )
+    assert without_ids(whole) == ("Sunny.", THOUGHT, ())
+
+
+def test_a_lone_closing_marker_is_stripped(tokenizer):
+    whole = merge_deltas(classify(tokenizer, ["Sure.</think> Sunny."]))
+    assert whole.content == "Sure. Sunny."
+
+
+def test_a_bad_tool_call_comes_back_as_content(tokenizer, caplog):
+    raw = '<tool_call>\n{"name": "get_weather", "arguments": [1, 2}\n</tool_call>'
+    with caplog.at_level(logging.WARNING, logger="mlx_backend"):
+        whole = merge_deltas(classify(tokenizer, ["Hmm. ", raw, " Sorry."]))
+    assert without_ids(whole) == (f"Hmm. {raw} Sorry.", "", ())
+    assert "could not parse a" in caplog.text
+
+
+def test_an_unfinished_tool_call_is_parsed_at_the_end(tokenizer):
+    whole = merge_deltas(classify(tokenizer, [f"<tool_call>\n{CALL_LYON}\n"]))
+    assert without_ids(whole) == ("", "", ((0, "get_weather", {"city": "Lyon"}),))
+
+
+def test_tool_parsing_off_leaves_the_markup_as_content(tokenizer):
+    text = f"<tool_call>{CALL_LYON}</tool_call>"
+    whole = merge_deltas(classify(tokenizer, [text], parse_tool_calls=False))
+    assert without_ids(whole) == (text, "", ())
+
+
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        ("cities", ("Let me check both ", THOUGHT + "\n", ())),
+        ("wants", ("", "The user ", ())),
+    ],
+)
+def test_stop_strings_end_the_text_in_every_state(tokenizer, stop, expected):
+    assert without_ids(merge_deltas(classify(tokenizer, [REPLY], [stop]))) == expected
+
+
+def test_a_stop_string_inside_a_call_leaves_it_unfinished(tokenizer):
+    whole = merge_deltas(classify(tokenizer, [REPLY], ['"Lyon"']))
+    unfinished = '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+    assert without_ids(whole) == (
+        f"Let me check both cities.\n{unfinished}",
+        THOUGHT + "\n",
+        ((0, "get_weather", {"city": "Paris", "days": 2}),),
+    )
+
+
+BLOCKS = [
+    "Hello there. ",
+    "Ünïcödé ✓ 日本 ",
+    f"<think>\n{THOUGHT}\n</think>\n\n",
+    f"<tool_call>\n{CALL_PARIS}\n</tool_call>",
+    f"<tool_call>{CALL_LYON}</tool_call>\n",
+    '<tool_call>{"name": oops}</tool_call>',
+    "a < b and <thin ",
+    "</think>",
+    "<tool_",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.lists(st.sampled_from(BLOCKS), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+    opened=st.booleans(),
+)
+def test_any_token_split_streams_what_the_whole_text_gives(
+    tokenizer, blocks, cuts, opened
+):
+    text = "".join(blocks)
+    points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(points, points[1:])]
+    streamed = classify(tokenizer, pieces, reasoning_open=opened)
+    whole = merge_deltas(classify(tokenizer, [text], reasoning_open=opened))
+    assert without_ids(merge_deltas(streamed)) == without_ids(whole)
+    # Markup never reaches content, except a call that failed to parse.
+    content = whole.content.replace('<tool_call>{"name": oops}</tool_call>', "")
+    assert "<think>" not in content and "</think>" not in content
+    assert "</tool_call>" not in content

@@ -1,0 +1,129 @@
+"""Speculative decoding's parts without an engine: prompt lookup's n-gram
+proposals, the draft length that pays, and the sampled distribution, which a
+chi-square test checks on a tiny llama."""
+
+import math
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_backend.decoders.base import BatchDecoder, NewSequence
+from mlx_backend.decoders.speculative import (
+    NgramProposer,
+    SpeculativeDecoder,
+    best_draft_length,
+)
+from mlx_backend.sampling import make_seeded_sampler
+from python_utils import LoadOptions
+from tests.support import FLAT, TINY_LLAMA
+
+
+def test_ngram_proposer_prefers_the_longest_latest_match():
+    proposer = NgramProposer(2, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # The 3-gram (1, 2, 3) was followed by 4; the 2-gram (2, 3) last by 7.
+    assert proposer.propose(tokens, 3) == [4, 5, 9]
+    tokens += [6, 2, 3]
+    assert proposer.propose(tokens, 2) == [6, 2]
+    assert proposer.propose(tokens + [42], 4) == []
+    # Near the end the continuation is what there is.
+    assert NgramProposer(1, 1).propose([5, 6, 5], 4) == [6, 5]
+
+
+@pytest.mark.parametrize(
+    "rate, costs, available, expected",
+    [
+        (0.9, (1.0, 1.1, 1.2, 1.3), 3, 3),
+        (0.9, (1.0, 1.1, 1.2, 1.3), 1, 1),
+        (0.05, (1.0, 1.1, 1.2, 1.3), 3, 0),
+        # Passes over several tokens cost as much as that many single ones.
+        (0.9, (1.0, 2.0, 3.0, 4.0), 3, 0),
+        (0.5, (1.0, 1.1, 1.2, 3.0), 3, 2),
+        (0.9, (1.0, 1.1), 5, 1),
+        # A small gain does not pay for leaving the pipelined batch.
+        (0.3, (1.0, 1.05), 1, 0),
+    ],
+)
+def test_best_draft_length(rate, costs, available, expected):
+    assert best_draft_length(rate, costs, available) == expected
+
+
+# -- the sampled distribution, on a tiny llama ------------------------------
+
+VOCAB = 24
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    args = llama.ModelArgs.from_dict(
+        {**TINY_LLAMA, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    )
+    # A fixed model, whose proposals are sometimes accepted.
+    mx.random.seed(SEED)
+    model = llama.Model(args)
+    # Sharper than a fresh model's distributions, so that proposals often hold.
+    model.lm_head.weight = model.lm_head.weight * 8
+    mx.eval(model.parameters())
+    return model
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square value with upper tail probability 0.001 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+class EagerLookup(NgramProposer):
+    """Prompt lookup verified from the first decoded token on, as a draft model's
+    proposals are, rather than after its guesses have held."""
+
+    cheap = False
+
+
+def test_speculative_sampling_keeps_the_model_distribution(tiny):
+    """The second token (the first one a verification pass samples, after the
+    n-gram proposal from the repeated prompt) follows the model's own
+    distribution: a chi-square test over seeded draws against exact probabilities."""
+    # Every token occurs in the prompt: whatever comes first, a proposal follows.
+    prompt = tuple(range(VOCAB)) + (3, 4, 5)
+    decoder = SpeculativeDecoder(
+        BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
+        tiny,
+        4,
+        lambda: EagerLookup(1, 3),
+        costs=FLAT,
+    )
+    draws = 1200
+    counts: Counter = Counter()
+    for seed in range(draws):
+        decoder.add(
+            NewSequence(
+                prompt,
+                prompt,
+                make_prompt_cache(tiny),
+                make_seeded_sampler(1.0, 0.0, 0.0, 0, seed),
+                [],
+                6,
+                draft_tokens=4,
+            )
+        )
+        tokens = []
+        while len(tokens) < 2:
+            tokens += [t for r in decoder.step() for t in r.tokens]
+        decoder.reset()
+        counts[tokens[1]] += 1
+    assert decoder.draft_proposed > 0 and 0 < decoder.draft_accepted
+    # Exact: p(second) = sum over first of p(first) p(second | first).
+    first = mx.softmax(tiny(mx.array([prompt]))[0, -1])
+    extended = mx.array([prompt + (t,) for t in range(VOCAB)])
+    second = first @ mx.softmax(tiny(extended)[:, -1], axis=-1)
+    expected = [p * draws for p in second.tolist()]
+    # Tokens expected fewer than 5 times are pooled into one bin.
+    small = [t for t in range(VOCAB) if expected[t] < 5]
+    bins = [(counts[t], expected[t]) for t in range(VOCAB) if expected[t] >= 5]
+    bins.append((sum(counts[t] for t in small), sum(expected[t] for t in small)))
+    statistic = sum((o - e) ** 2 / e for o, e in bins if e > 0)
+    assert statistic < chi_square_critical(len(bins) - 1), (statistic, bins)
