@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 import backend_pb2
 import backend_pb2_grpc
-from mlx_backend.cpu.path import maybe_reexec_with_fast_blas
+from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
 from mlx_backend.distributed.group import (
     LOST,
     launched_rank,

@@ -24,7 +24,7 @@ PYTEST = [sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadfile"]
 def suite_environment(environ) -> dict:
     """``environ`` with the fast BLAS preloaded on Linux CPU (unchanged elsewhere):
     MLX binds its BLAS when it loads, so pytest has to start with it."""
-    from mlx_backend.cpu.path import fast_blas_to_preload, preload_environment
+    from mlx_backend.cpu.blas import fast_blas_to_preload, preload_environment
 
     library = fast_blas_to_preload(environ)
     return preload_environment(environ, library) if library else dict(environ)

@@ -60,14 +60,14 @@ from bench.memory import bench_memory
 from bench.prefix import bench_prefix
 from bench.profile import process_cpu_seconds, profile_decode
 from bench.speculative import bench_speculative
-from mlx_backend.cpu.path import (
+from mlx_backend.cpu.blas import (
     blas_choice_environment,
     fast_blas_in_use,
     find_fast_blas,
     maybe_reexec_with_fast_blas,
     physical_cores,
-    prepare_for_cpu,
 )
+from mlx_backend.cpu.compute_path import prepare_for_cpu
 from mlx_backend.models.gguf import export_mlx_folder, load_gguf
 from mlx_backend.models.loading import default_model_path
 from tests.support import Server

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlx_backend.cpu.path import BLAS_THREAD_ENV, CPU_PACING_ENV, physical_cores
+from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
+from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from tests.support import Server, make_chat_folders, start_default_server
 
 KINDS = ("unit", "engine", "e2e")

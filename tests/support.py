@@ -30,13 +30,13 @@ from mlx_lm.sample_utils import greedy_sampler
 import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import BackendServicer
-from mlx_backend.cpu.path import (
+from mlx_backend.cpu.blas import (
     BLAS_THREAD_ENV,
-    CPU_PACING_ENV,
     blas_choice_environment,
     fast_blas_in_use,
     physical_cores,
 )
+from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.engine.engine import Engine
 from mlx_backend.models.gguf import export_mlx_folder, save_tokenizer

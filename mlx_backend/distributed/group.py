@@ -30,16 +30,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_backend.cpu.path import set_blas_threads
+from mlx_backend.cpu.blas import set_blas_threads
+from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import (
     Decoder,
     KVState,
     NewSequence,
     StepResult,
-    make_pacing,
-    make_plain_decoder,
     thread_stream,
 )
+from mlx_backend.decoders.factory import make_plain_decoder
 from mlx_backend.errors import Aborted, InvalidArgument, Unavailable
 from mlx_cache import ThreadSafeLRUPromptCache, cache_nbytes
 from mlx_utils import make_kv_cache

@@ -27,23 +27,22 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlx_backend.caches.prompt_files import PromptFiles, make_fingerprint
 from mlx_backend.caches.quantized_kv import adopt
-from mlx_backend.cpu.path import (
+from mlx_backend.cpu.blas import (
     blas_threads,
     choose_blas_threads,
     physical_cores,
     physical_memory,
     set_blas_threads,
 )
+from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import (
     Decoder,
     KVState,
     NewSequence,
     StepResult,
-    make_pacing,
-    make_plain_decoder,
     thread_stream,
 )
-from mlx_backend.decoders.speculative import make_decoder
+from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
 from mlx_backend.distributed.group import (
     HEARTBEAT_SECONDS,
     Exit,

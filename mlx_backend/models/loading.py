@@ -13,7 +13,7 @@ from huggingface_hub import snapshot_download
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as load_mlx_folder
 
-from mlx_backend.cpu.path import ComputePath, prepare_for_cpu
+from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.engine.jobs import hidden_state_model
 from mlx_backend.grammar import GrammarCompiler

@@ -23,7 +23,8 @@ import pytest
 
 import backend_pb2 as pb
 import backend_pb2_grpc
-from mlx_backend.cpu.path import CPU_PACING_ENV, FAST_BLAS_INSTALL, find_fast_blas
+from mlx_backend.cpu.blas import FAST_BLAS_INSTALL, find_fast_blas
+from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.models.gguf import export_mlx_folder
 from mlx_backend.models.loading import default_model_path
 from tests.support import (

@@ -20,19 +20,22 @@ import mlx.core as mx
 import pytest
 
 import mlx_backend.engine.engine as engine_module
-from mlx_backend.cpu.path import (
+from mlx_backend.cpu.blas import (
     BLAS_THREAD_ENV,
-    CPU_PACING_ENV,
     blas_threads,
     choose_blas_threads,
     physical_cores,
     set_blas_threads,
 )
-from mlx_backend.decoders.base import BatchDecoder, KVState, SingleDecoder
-from mlx_backend.engine.engine import Engine, common_length
+from mlx_backend.cpu.pacing import CPU_PACING_ENV
+from mlx_backend.decoders.base import KVState
+from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.single import SingleDecoder
+from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import Aborted, FailedPrecondition
 from mlx_backend.output.reply_pipeline import Finished, Output
 from mlx_backend.request_parsing import GenerationRequest, SamplingParams
+from mlx_cache import common_length
 from python_utils import parse_options
 from tests.support import (
     ANSWER,

@@ -10,7 +10,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlx_backend.caches.quantized_kv import QuantizedKVCache
-from mlx_backend.decoders.base import BatchDecoder, SingleDecoder
+from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.errors import InvalidArgument
 from mlx_utils import make_kv_cache
 from python_utils import parse_options

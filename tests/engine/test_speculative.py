@@ -13,7 +13,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlx_backend.decoders.base import BatchDecoder, NewSequence
+from mlx_backend.decoders.base import NewSequence
+from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.speculative import NgramProposer, SpeculativeDecoder
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument

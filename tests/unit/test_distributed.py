@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mlx_backend.cpu.path import blas_threads, set_blas_threads
+from mlx_backend.cpu.blas import blas_threads, set_blas_threads
 from mlx_backend.distributed.group import (
     GroupSettings,
     check_in,

@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from mlx_backend.cpu.path import CPU_PACING_ENV, choose_pacing, pacing_setting
-from mlx_backend.decoders.base import measured_once
+from mlx_backend.cpu.pacing import CPU_PACING_ENV, choose_pacing, pacing_setting
+from mlx_backend.decoders.measured import measured_once
 from mlx_backend.errors import FailedPrecondition
 from tests.support import TINY_LLAMA
 

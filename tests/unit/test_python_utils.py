@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import backend_pb2
-from mlx_backend.cpu.path import (
+from mlx_backend.cpu.blas import (
     FAST_BLAS_ENV,
     blas_choice_environment,
     fast_blas_in_use,

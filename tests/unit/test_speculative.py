@@ -10,7 +10,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_backend.decoders.base import BatchDecoder, NewSequence
+from mlx_backend.decoders.base import NewSequence
+from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.speculative import (
     NgramProposer,
     SpeculativeDecoder,

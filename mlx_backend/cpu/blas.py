@@ -1,31 +1,23 @@
-"""The Linux CPU path: a fast BLAS found and preloaded by a re-exec, quantized
-weights dequantized when that is faster, and the step pacing of a CPU decode."""
+"""The fast BLAS of the Linux CPU path: found, preloaded by a re-exec before MLX
+loads, and given its thread count.
+
+Run as ``python -m mlx_backend.cpu.blas``, it prints the environment that runs
+MLX on that BLAS in another process (the test suite's).
+"""
 
 import ctypes
 import importlib.metadata
 import logging
 import os
-import statistics
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.utils import get_total_parameters
-
-from mlx_backend.errors import FailedPrecondition
-from mlx_utils import dequantize_to_float32
-from python_utils import CPU_PACING_MODES, switched_off
+from python_utils import switched_off
 
 logger = logging.getLogger(__name__)
 
 FAST_BLAS_ENV = "MLX_BACKEND_FAST_BLAS"
 # The host's pacing for models whose cpu_pacing is auto: pacing suits a CPU, not a model.
-CPU_PACING_ENV = "MLX_BACKEND_CPU_PACING"
-# Fast BLAS libraries by family, in order of preference. MKL's sgemm is about twice
-# OpenBLAS 0.3.21's for the one-row products of decoding (measured on x86_64).
 FAST_BLAS_CANDIDATES = {
     "mkl": (
         f"{sys.prefix}/lib/libmkl_rt.so.3",  # PyPI `mkl` (requirements-cpu.txt)
@@ -153,14 +145,6 @@ def maybe_reexec_with_fast_blas() -> None:
     )
 
 
-DEQUANTIZE_ENV = "MLX_BACKEND_DEQUANTIZE"
-# On the CPU, attention's softmax dominates long chunks: on a 1000-token prompt,
-# chunks of 256 prefill about 9% faster than chunks of 512.
-CPU_PREFILL_STEP_SIZE = 256
-# The share of physical memory dequantized weights may take by default.
-DEQUANTIZE_MEMORY_FRACTION = 0.4
-
-
 # How each fast BLAS family sets and reads its thread count.
 _THREAD_CALLS = (
     ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads"),
@@ -226,162 +210,6 @@ def choose_blas_threads(requested: int, cores: int, environ) -> tuple[int | None
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def float32_bytes(model: nn.Module) -> int:
-    return get_total_parameters(model) * 4
-
-
-def is_quantized(model: nn.Module) -> bool:
-    return any(hasattr(m, "bits") for _, m in model.named_modules())
-
-
-@dataclass(frozen=True)
-class ComputePath:
-    """How the loaded model runs; shown in the load log, LoadModel and Status."""
-
-    description: str
-    fast_blas: bool = False
-    dequantized_bytes: int = 0
-    # Prompt tokens per prefill chunk when LoadModel does not set one.
-    prefill_step_size: int = CPU_PREFILL_STEP_SIZE
-    # The fast BLAS's threads, as it reports them (0: no fast BLAS in use).
-    blas_threads: int = 0
-    # Batched CPU decode steps are paced (``Pacing``).
-    paced: bool = False
-
-    def breakdown(self) -> dict[str, int]:
-        return {
-            "fast_blas": int(self.fast_blas),
-            "dequantized_weights": self.dequantized_bytes,
-            "blas_threads": self.blas_threads,
-            "cpu_paced": int(self.paced),
-        }
-
-
-def prepare_for_cpu(
-    model: nn.Module, dequantize: bool | None, max_bytes: int | None
-) -> tuple[nn.Module, ComputePath]:
-    """Pick the fastest correct weight layout for the CPU device.
-
-    MLX's quantized CPU kernels cost the same per row at any batch size, while a
-    float32 matmul through a fast BLAS is several times faster for one row and far
-    faster for many. So quantized weights are dequantized when they fit the budget.
-
-    Returns:
-        The model to use and the path taken.
-    """
-    if mx.default_device().type != mx.cpu:
-        return model, ComputePath("GPU, weights as loaded", prefill_step_size=512)
-    blas = fast_blas_in_use(os.environ)
-    blas_text = f"BLAS {blas}" if blas else "MLX's bundled reference BLAS"
-    fast = blas is not None
-    if not is_quantized(model):
-        return model, ComputePath(f"CPU, {blas_text}, unquantized weights", fast)
-    if switched_off(os.environ, DEQUANTIZE_ENV):
-        dequantize = False
-    budget = max_bytes or int(physical_memory() * DEQUANTIZE_MEMORY_FRACTION)
-    needed = float32_bytes(model)
-    if dequantize is None:
-        dequantize = blas is not None and needed <= budget
-    if not dequantize:
-        if blas is None:
-            why = "no fast BLAS"
-        elif needed > budget:
-            why = f"{needed} bytes over the budget of {budget}"
-        else:
-            why = "off"
-        return model, ComputePath(
-            f"CPU, {blas_text}, quantized kernels (dequantize: {why})", fast
-        )
-    model = dequantize_to_float32(model)
-    mx.eval(model.parameters())
-    return model, ComputePath(
-        f"CPU, {blas_text}, weights dequantized to float32 ({needed >> 20} MiB)",
-        fast,
-        needed,
-    )
-
-
-def pace_step(tokens: mx.array, logits: mx.array) -> mx.array:
-    """A logits processor that runs the step's forward pass to its end before the
-    rest of the step's graph is built.
-
-    The Python thread then builds no graphs while the cores run the matmuls. Whether
-    that pays depends on the machine: a 2-core Intel Xeon decoded 15% faster with
-    it and a 2-core AMD EPYC 9-25% slower, so ``choose_pacing`` decides by
-    measuring.
-    """
-    mx.eval(logits)
-    return logits
-
-
-# Unpaced steps must beat paced ones by this share to be kept: what overlapping
-# costs comes in spells that a short measurement can miss (on a 2-core Xeon, 5 of
-# 18 loads measured a tie or unpaced faster, where 150-token runs were 6-35% faster
-# paced), and what it gains shows in every step.
-PACING_MARGIN = 0.05
-
-
-def mean_speeds(rounds: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """The mean paced and unpaced tokens/s over measured (paced, unpaced) rounds."""
-    paced, unpaced = zip(*rounds)
-    return statistics.fmean(paced), statistics.fmean(unpaced)
-
-
-@dataclass(frozen=True)
-class Pacing:
-    """Whether batched CPU decode steps are paced (``pace_step``), and why; shown
-    in the load log, LoadModel and Status."""
-
-    paced: bool
-    # What decided: the option, a measurement, or why there was none.
-    reason: str
-    # One stream's tokens/s in each measured round: (paced, unpaced).
-    rounds: tuple[tuple[float, float], ...] = ()
-
-    def describe(self) -> str:
-        text = f"CPU pacing {'on' if self.paced else 'off'} ({self.reason}"
-        if self.rounds:
-            paced, unpaced = mean_speeds(self.rounds)
-            text += f": tok/s paced {paced:.1f}, unpaced {unpaced:.1f}"
-            if len(self.rounds) > 1:
-                ratios = ", ".join(f"{p / u:.2f}" for p, u in self.rounds)
-                text += f"; paced/unpaced by round {ratios}"
-        return text + ")"
-
-
-def pacing_setting(option: str, environ) -> tuple[str, str]:
-    """The pacing mode and what set it: the option when it says on or off, else
-    the host's ``MLX_BACKEND_CPU_PACING``, else ``auto``."""
-    if option != "auto":
-        return option, f"cpu_pacing:{option}"
-    host = environ.get(CPU_PACING_ENV, "").strip().lower() or "auto"
-    if host not in CPU_PACING_MODES:
-        raise FailedPrecondition(
-            f"{CPU_PACING_ENV} must be one of {', '.join(CPU_PACING_MODES)}, "
-            f"not {host!r}"
-        )
-    return host, "auto" if host == "auto" else f"{CPU_PACING_ENV}={host}"
-
-
-def choose_pacing(option: str, rounds: Sequence[tuple[float, float]] = ()) -> Pacing:
-    """Pacing as the option ``cpu_pacing`` sets it, or for ``auto`` as measured:
-    unpaced only when the unpaced mean speed beats the paced one by
-    ``PACING_MARGIN``, or when nothing was measured.
-
-    Args:
-        option: ``on``, ``off`` or ``auto``.
-        rounds: One stream's tokens/s per measured round, (paced, unpaced).
-    """
-    if option != "auto":
-        return Pacing(option == "on", f"cpu_pacing:{option}")
-    if not rounds:
-        return Pacing(False, "auto, not measured")
-    paced, unpaced = mean_speeds(rounds)
-    return Pacing(
-        unpaced <= paced * (1 + PACING_MARGIN), "auto, measured", tuple(rounds)
-    )
 
 
 if __name__ == "__main__":

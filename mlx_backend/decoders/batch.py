@@ -1,0 +1,182 @@
+"""Continuous batching: every sequence decodes in one forward pass per step."""
+
+import copy
+import logging
+
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
+
+from mlx_backend.cpu.pacing import pace_step
+from mlx_backend.decoders.base import (
+    Capabilities,
+    Decoder,
+    KVState,
+    NewSequence,
+    StepResult,
+    thread_stream,
+)
+from mlx_utils import Scored, gather_logprobs
+from python_utils import LoadOptions
+
+logger = logging.getLogger(__name__)
+
+
+class BatchDecoder(Decoder):
+    """Continuous batching on mlx-lm's ``BatchGenerator``: every sequence decodes in
+    one forward pass per step, and prompts are prefilled a chunk per step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        options: LoadOptions,
+        trimmable: bool,
+        pace: bool = False,
+    ):
+        self._model = model
+        self._options = options
+        self.capabilities = Capabilities(
+            batching=True, trimmable_cache=trimmable, prefix_snapshots=True
+        )
+        # Each row's logprob width (None: no logprobs), by BatchGenerator uid.
+        self._rows: dict[int, int | None] = {}
+        # Each row's prompt prefixes still to snapshot, in prefill order.
+        self._snapshots: dict[int, list[tuple[int, ...]]] = {}
+        self._pace = pace
+        self._batch = self._make_batch()
+
+    def _make_batch(self) -> BatchGenerator:
+        options = self._options
+        return BatchGenerator(
+            self._model,
+            completion_batch_size=options.max_batch_size,
+            # BatchGenerator raises its decode limit to the prefill batch size.
+            prefill_batch_size=min(options.prefill_batch_size, options.max_batch_size),
+            prefill_step_size=options.prefill_step_size,
+            stream=thread_stream(),
+        )
+
+    def add(self, sequence: NewSequence) -> int:
+        processors = list(sequence.processors)
+        if self._pace:
+            processors.insert(0, pace_step)
+        prompt, rest = sequence.prompt, list(sequence.rest)
+        reused = len(prompt) - len(rest)
+        # Prefill stops at each snapshot length; BatchGenerator itself splits off
+        # the last prompt token, which starts generation.
+        cuts = sorted(
+            {n - reused for n in sequence.snapshots} & set(range(1, len(rest)))
+        )
+        segments = [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])]
+        # EOS, stop strings and the token limit are checked by the reply pipeline.
+        (uid,) = self._batch.insert_segments(
+            [segments],
+            max_tokens=[sequence.max_tokens],
+            caches=[sequence.kv_cache],
+            all_tokens=[list(sequence.prompt[:reused])],
+            samplers=[sequence.sampler],
+            logits_processors=[processors],
+        )
+        self._rows[uid] = sequence.logprobs
+        ends = [reused + cut for cut in cuts]
+        if len(rest) > 1 and len(prompt) - 1 in sequence.snapshots:
+            ends.append(len(prompt) - 1)
+        if ends:
+            self._snapshots[uid] = [prompt[:end] for end in sorted(set(ends))]
+        return uid
+
+    def step(self) -> list[StepResult]:
+        try:
+            prompt_responses, responses = self._batch.next()
+        except Exception as e:
+            logger.exception("batched generation failed")
+            error = e.with_traceback(None)
+            # Each handler raises its own copy, with its own traceback.
+            failed = [
+                StepResult(key, done=True, error=copy.copy(error)) for key in self._rows
+            ]
+            self.reset()
+            return failed
+        snapshots = self._take_snapshots(prompt_responses)
+        responses = [r for r in responses if r.uid in self._rows]
+        if responses:
+            self.batch_steps += 1
+            self.batch_tokens += len(responses)
+        scored = self._score(responses)
+        results = []
+        for response in responses:
+            done = response.finish_reason is not None
+            state = None
+            if done:
+                # The row already left the batch, with its KV cache.
+                del self._rows[response.uid]
+                self._snapshots.pop(response.uid, None)
+                state = KVState(response.prompt_cache, response.all_tokens)
+            results.append(
+                StepResult(
+                    response.uid,
+                    (response.token,),
+                    (scored.get(response.uid),),
+                    done=done,
+                    state=state,
+                    snapshots=snapshots.pop(response.uid, ()),
+                )
+            )
+        # Rows still in prefill report only their snapshots.
+        results += [
+            StepResult(uid, snapshots=taken) for uid, taken in snapshots.items()
+        ]
+        return results
+
+    def _take_snapshots(self, prompt_responses) -> dict[int, tuple[KVState, ...]]:
+        """Copies of the KV state of each prompt prefix whose prefill just ended."""
+        taken: dict[int, list[KVState]] = {}
+        for response in prompt_responses:
+            pending = self._snapshots.get(response.uid)
+            if not response.end_of_segment or not pending:
+                continue
+            tokens = pending.pop(0)
+            if not pending:
+                del self._snapshots[response.uid]
+            cache, _ = self._batch.extract_cache([response.uid])[response.uid]
+            taken.setdefault(response.uid, []).append(KVState(cache, list(tokens)))
+        return {uid: tuple(states) for uid, states in taken.items()}
+
+    def _score(self, responses) -> dict[int, Scored]:
+        """Logprob entries of the step's tokens, in one evaluation for every row
+        that asked for them."""
+        wanted = [(r, self._rows[r.uid]) for r in responses]
+        wanted = [(r, n) for r, n in wanted if n is not None]
+        if not wanted:
+            return {}
+        top = max(n for _, n in wanted)
+        values = gather_logprobs(
+            [r.logprobs for r, _ in wanted], [r.token for r, _ in wanted], top
+        )
+        return {
+            r.uid: (logprob, best[:n])
+            for (r, n), (logprob, best) in zip(wanted, values)
+        }
+
+    def remove(self, key: int, keep_state: bool = True) -> KVState | None:
+        self._snapshots.pop(key, None)
+        if key not in self._rows:
+            return None
+        del self._rows[key]
+        removed = self._batch.remove([key], return_prompt_caches=keep_state)
+        state = removed.get(key) if keep_state else None
+        return None if state is None else KVState(*state)
+
+    def reset(self) -> None:
+        self._close_batch()
+        self._batch = self._make_batch()
+
+    def close(self) -> None:
+        self._close_batch()
+
+    def _close_batch(self) -> None:
+        self._rows.clear()
+        self._snapshots.clear()
+        try:
+            self._batch.close()
+        except Exception:
+            logger.exception("closing the batch generator failed")

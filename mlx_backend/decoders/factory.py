@@ -1,0 +1,88 @@
+"""The decoder for a loaded model: which generation path serves it."""
+
+import logging
+from functools import partial
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+
+from mlx_backend.caches.quantized_kv import QuantizedKVCache
+from mlx_backend.decoders.base import Decoder
+from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.measured import measured_once
+from mlx_backend.decoders.single import SingleDecoder
+from mlx_backend.decoders.speculative import (
+    DraftProposer,
+    NgramProposer,
+    SpeculativeDecoder,
+    measure_verify_costs,
+)
+from mlx_utils import make_kv_cache, model_signature, unbatchable_reason
+from python_utils import LoadOptions
+
+logger = logging.getLogger(__name__)
+
+
+def make_plain_decoder(
+    model: nn.Module, options: LoadOptions, pace: bool = False
+) -> Decoder:
+    """The plain decoder for a loaded model: batched when its KV caches can be
+    merged, with paced CPU steps when ``pace`` (``make_pacing``)."""
+    trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
+    why = unbatchable_reason(model, options)
+    if why:
+        logger.info("requests run one sequence each: %s", why)
+        return SingleDecoder(model, options, trimmable)
+    return BatchDecoder(model, options, trimmable, pace)
+
+
+def make_decoder(
+    model: nn.Module,
+    options: LoadOptions,
+    draft: nn.Module | None = None,
+    pace: bool = False,
+) -> Decoder:
+    """The decoder for a loaded model: the plain one (batched when its KV caches
+    can be merged, with paced CPU steps when ``pace``), speculating for a lone
+    sequence with ``draft`` or n-gram prompt lookup, unless that is off or the KV
+    caches only rotate."""
+    inner = make_plain_decoder(model, options, pace)
+    # Rotating (sliding-window) caches cannot always be trimmed back.
+    growing = all(
+        isinstance(c, (KVCache, QuantizedKVCache))
+        for c in make_kv_cache(model, options)
+    )
+    if options.speculative == "off" or options.num_draft_tokens == 0 or not growing:
+        logger.info("speculative decoding is off")
+        return inner
+    max_draft = max(options.num_draft_tokens, 8)
+    drafting = draft if options.speculative != "ngram" else None
+    costs, per_proposal = measured_once(
+        model,
+        ("verify costs", max_draft, drafting and model_signature(drafting, {})),
+        partial(measure_verify_costs, model, max_draft, drafting),
+    )
+    if draft is not None and options.speculative in ("auto", "draft"):
+        proposer = "the draft model"
+        make_proposer = partial(DraftProposer, draft, options.prefill_step_size)
+    else:
+        n_min, n_max = options.ngram_min, options.ngram_max
+        proposer = f"n-gram prompt lookup (n {n_min}-{n_max})"
+        make_proposer = partial(NgramProposer, n_min, n_max)
+    logger.info(
+        "speculative decoding: %s, up to %d tokens a step; one pass over 1+k tokens "
+        "costs %s times one token (k = 1..%d), a proposal %.2f",
+        proposer,
+        options.num_draft_tokens,
+        ", ".join(f"{c:.2f}" for c in costs[1:]),
+        max_draft,
+        per_proposal,
+    )
+    return SpeculativeDecoder(
+        inner,
+        model,
+        options.num_draft_tokens,
+        make_proposer,
+        costs=costs,
+        per_proposal=per_proposal,
+    )
