@@ -8,7 +8,6 @@ codes once, here.
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import hmac
 import inspect
@@ -28,12 +27,8 @@ from grpc_reflection.v1alpha import reflection
 import backend_pb2
 import backend_pb2_grpc
 from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
-from mlx_backend.distributed.group import (
-    LOST,
-    launched_rank,
-    run_worker,
-    worker_settings,
-)
+from mlx_backend.distributed.follower import LOST, run_worker
+from mlx_backend.distributed.group import launched_rank, worker_settings
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import (
     Aborted,
@@ -45,8 +40,7 @@ from mlx_backend.errors import (
     Unavailable,
     Unimplemented,
 )
-from mlx_backend.models.loading import ModelInfo
-from mlx_backend.models.lora import make_adapters
+from mlx_backend.models.loading import DEFAULT_MODEL_REF, ModelInfo
 from mlx_backend.output.chat_output import Delta, merge_deltas
 from mlx_backend.output.reply_pipeline import Finished, TokenLogprob
 from mlx_backend.request_parsing import (
@@ -54,13 +48,12 @@ from mlx_backend.request_parsing import (
     check_tokens,
     parse_embedding,
     parse_generation,
+    parse_load,
     parse_prompt,
     parse_score,
 )
 from python_utils import (
-    apply_cache_types,
     parse_duration,
-    parse_options,
     render_sample_chat,
     switched_off,
 )
@@ -76,7 +69,6 @@ AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
 PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
 PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
 LOG_LEVEL_ENV = "MLX_BACKEND_LOG_LEVEL"
-DEFAULT_MODEL_REF = "default"
 
 _STATUS_CODES = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -235,34 +227,10 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     async def load(self, request) -> backend_pb2.Result:
         try:
-            options = parse_options(request.Options)
-            options = apply_cache_types(
-                options, request.CacheTypeKey, request.CacheTypeValue
-            )
-            if request.Threads < 0:
-                raise InvalidArgument("Threads must not be negative")
-            if request.Threads:
-                options = dataclasses.replace(options, threads=request.Threads)
-            adapters = make_adapters(
-                request.LoraAdapter,
-                request.LoraScale,
-                request.LoraAdapters,
-                request.LoraScales,
-                request.ModelPath,
-            )
+            plan = parse_load(request)
         except BackendError as e:
             return backend_pb2.Result(success=False, message=str(e))
-        model = "" if request.Model == DEFAULT_MODEL_REF else request.Model
-        future = self.engine.load(
-            model,
-            options,
-            request.ContextSize,
-            identity=request.Model,
-            draft=request.DraftModel,
-            adapters=adapters,
-            model_file=request.ModelFile,
-            model_path=request.ModelPath,
-        )
+        future = self.engine.load(plan)
         try:
             info = await asyncio.wrap_future(future)
         except Exception as e:

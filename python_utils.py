@@ -29,7 +29,7 @@ class LoadOptions:
     presence_penalty: float | None = None
     repetition_context_size: int = 64
     max_tokens: int | None = None
-    # None: the compute path's default (cpu_path.ComputePath).
+    # None: the compute path's default (cpu/compute_path.py).
     prefill_step_size: int | None = None
     # Continuous batching: sequences decoded together, and prompts prefilled together.
     max_batch_size: int = 32
@@ -44,7 +44,7 @@ class LoadOptions:
     # LoRA adapters (lora.py) are folded into the weights instead of wrapping them.
     fuse_lora: bool = False
     # A folder that keeps the prompt cache's entries across restarts, and may hold
-    # PromptCachePath files (prompt_cache_files.py).
+    # PromptCachePath files (caches/prompt_files.py).
     prompt_cache_dir: str = ""
     # The prompt cache: 0 entries turns it off; bytes default to a share of RAM.
     max_cache_entries: int = 10
@@ -57,7 +57,7 @@ class LoadOptions:
     # BLAS threads (ModelOptions.Threads; 0: the physical cores).
     threads: int = 0
     # CPU decode steps wait for the previous token before building the rest of the
-    # step: "on", "off", or "auto" (measured at load, cpu_path.choose_pacing).
+    # step: "on", "off", or "auto" (measured at load, cpu/pacing.py).
     cpu_pacing: str = "auto"
     # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
     dequantize: bool | None = None
@@ -66,7 +66,7 @@ class LoadOptions:
     embedding_pooling: str = "mean"
     # Replies a stream may hold unread by its client before it is ended.
     max_stream_backlog: int = 256
-    # Requests that share a long prompt prefix prefill it once (engine.py).
+    # Requests that share a long prompt prefix prefill it once (engine/scheduler.py).
     prefix_sharing: bool = True
     # Speculative decoding (speculative.py): "auto", "ngram", "draft" or "off"; proposed
     # tokens verified per step at most, and the n-gram sizes prompt lookup matches.
@@ -74,7 +74,7 @@ class LoadOptions:
     num_draft_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
-    # Serving over an MLX distributed group (distributed.py): MLX's hostfile JSON
+    # Serving over an MLX distributed group (distributed/): MLX's hostfile JSON
     # (or the env MLX_DISTRIBUTED_HOSTFILE), "ring", "jaccl" or "mpi" (or the env
     # MLX_DISTRIBUTED_BACKEND), "auto", "tensor" or "pipeline", the seconds the
     # workers have to join, and the seconds a step may take before it counts as hung.

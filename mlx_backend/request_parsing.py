@@ -1,5 +1,6 @@
 """Request parsing: each RPC's proto parsed once into a frozen request for the engine."""
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -8,16 +9,19 @@ from mlx_backend.caches.prompt_files import confine
 from mlx_backend.engine.jobs import EmbeddingRequest, ScoreRequest
 from mlx_backend.errors import FailedPrecondition, InvalidArgument
 from mlx_backend.grammar import CompiledGrammar
-from mlx_backend.models.loading import ModelInfo
+from mlx_backend.models.loading import DEFAULT_MODEL_REF, LoadPlan, ModelInfo
+from mlx_backend.models.lora import make_adapters
 from mlx_backend.output.chat_output import OutputOptions
 from python_utils import (
     MAX_DRAFT_TOKENS,
     TemplateArgs,
+    apply_cache_types,
     check_sampling,
     convert_messages,
     encode_prompt,
     parse_logit_bias,
     parse_logprobs,
+    parse_options,
     parse_template_args,
     parse_tool_choice,
     parse_tools,
@@ -257,4 +261,31 @@ def parse_score(request, info: ModelInfo) -> ScoreRequest:
         prompt=tuple(prompt),
         candidates=tuple(candidates),
         load_id=info.load_id,
+    )
+
+
+def parse_load(request) -> LoadPlan:
+    """``ModelOptions`` parsed once into the engine's load plan."""
+    options = parse_options(request.Options)
+    options = apply_cache_types(options, request.CacheTypeKey, request.CacheTypeValue)
+    if request.Threads < 0:
+        raise InvalidArgument("Threads must not be negative")
+    if request.Threads:
+        options = dataclasses.replace(options, threads=request.Threads)
+    adapters = make_adapters(
+        request.LoraAdapter,
+        request.LoraScale,
+        request.LoraAdapters,
+        request.LoraScales,
+        request.ModelPath,
+    )
+    return LoadPlan(
+        model="" if request.Model == DEFAULT_MODEL_REF else request.Model,
+        identity=request.Model,
+        model_file=request.ModelFile,
+        model_path=request.ModelPath,
+        draft=request.DraftModel,
+        adapters=adapters,
+        options=options,
+        context_size=request.ContextSize,
     )

@@ -12,11 +12,14 @@ elsewhere must carry one of those markers itself (the root's test_mlx_cache.py i
 import os
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
+from mlx_backend.models.gguf import save_tokenizer
+from mlx_backend.models.loading import default_model_path
 from tests.support import Server, make_chat_folders, start_default_server
 
 KINDS = ("unit", "engine", "e2e")
@@ -99,7 +102,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(folders):
-    """The ``json`` chat model's tokenizer (a test module may have a ``tokenizer``
-    of its own)."""
-    return load_tokenizer(folders["json"])
+def tokenizer(tmp_path_factory):
+    """The default model's tokenizer, built as load_gguf builds it, without the model."""
+    _, metadata = mx.load(str(default_model_path()), return_metadata=True)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(metadata, folder)
+    eos = metadata["tokenizer.ggml.eos_token_id"].item()
+    return load_tokenizer(folder, eos_token_ids=[eos])

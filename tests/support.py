@@ -30,17 +30,11 @@ from mlx_lm.sample_utils import greedy_sampler
 import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import BackendServicer
-from mlx_backend.cpu.blas import (
-    BLAS_THREAD_ENV,
-    blas_choice_environment,
-    fast_blas_in_use,
-    physical_cores,
-)
-from mlx_backend.cpu.pacing import CPU_PACING_ENV
+from mlx_backend.cpu.blas import blas_choice_environment, fast_blas_in_use
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.engine.engine import Engine
 from mlx_backend.models.gguf import export_mlx_folder, save_tokenizer
-from mlx_backend.models.loading import ModelInfo, default_model_path
+from mlx_backend.models.loading import LoadPlan, ModelInfo, default_model_path
 from mlx_backend.output.chat_output import merge_deltas
 from mlx_backend.request_parsing import GenerationRequest
 from mlx_utils import make_kv_cache
@@ -321,7 +315,7 @@ class ForcingServicer(BackendServicer):
 def load_engine(*options: str, draft: str = "") -> Engine:
     engine = Engine()
     engine.load(
-        "", parse_options(list(options)), 0, identity="default", draft=draft
+        LoadPlan(identity="default", draft=draft, options=parse_options(list(options)))
     ).result()
     return engine
 
@@ -439,7 +433,7 @@ def stats_after(engine: Engine) -> dict[str, int]:
 
 def on_engine_thread(engine: Engine, fn):
     """``fn(model, options)`` on the engine thread, which owns the MLX objects."""
-    return engine.call(lambda: fn(engine._loaded.model, engine.info.options)).result()
+    return engine.call(lambda: fn(engine.served.model, engine.info.options)).result()
 
 
 def drive(

@@ -1,0 +1,1 @@
+"""KV caches: quantized ones that batch, and KV states on disk."""

@@ -1,0 +1,1 @@
+"""The Linux CPU path: a fast BLAS, dequantized weights, step pacing."""

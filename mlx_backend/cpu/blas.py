@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
 from python_utils import switched_off
 
 logger = logging.getLogger(__name__)
@@ -206,6 +208,22 @@ def choose_blas_threads(requested: int, cores: int, environ) -> tuple[int | None
         if environ.get(name, "").strip():
             return None, name
     return cores, "physical cores"
+
+
+def apply_blas_threads(requested: int, shared: bool) -> str:
+    """Cap the fast BLAS's threads for a model (``requested``: ``Threads``, 0 for
+    the default); what was set, for the load message. Empty when nothing was: on a
+    GPU, without a fast BLAS, or for 0 when ranks of a group share the cores
+    (``share_cores`` capped them)."""
+    if mx.default_device() != mx.cpu or (shared and not requested):
+        return ""
+    threads, why = choose_blas_threads(requested, physical_cores(), os.environ)
+    if threads is None:
+        threads = blas_threads()
+    elif not set_blas_threads(threads):
+        return ""
+    logger.info("BLAS threads: %s (%s)", threads, why)
+    return f"{threads} BLAS threads ({why})"
 
 
 def physical_memory() -> int:

@@ -1,6 +1,7 @@
 """How a loaded model runs on this device: on a CPU with a fast BLAS, quantized
 weights are dequantized to float32 when that is faster and they fit."""
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -49,6 +50,12 @@ class ComputePath:
             "blas_threads": self.blas_threads,
             "cpu_paced": int(self.paced),
         }
+
+    def extended(self, note: str, **changes) -> "ComputePath":
+        """This path with ``note`` added to its description, and ``changes``."""
+        return dataclasses.replace(
+            self, description=f"{self.description}; {note}", **changes
+        )
 
 
 def prepare_for_cpu(

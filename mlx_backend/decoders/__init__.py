@@ -1,0 +1,1 @@
+"""The generation paths, each a ``Decoder`` (``base.py``) the engine drives."""

@@ -1,0 +1,2 @@
+"""The engine thread: its loop, scheduler, prompt store, loader, stats and jobs,
+behind the facade in ``engine.py``."""

@@ -199,16 +199,9 @@ class _Job:
 
 class JobQueue:
     """Embedding and Score requests waiting, and the job that runs one chunk of
-    them per engine step.
+    them per engine step, on the served model (a ``ServedModel``)."""
 
-    Args:
-        fetch_cache: The nearest KV cache for a prompt, and the tokens it lacks.
-        save_cache: Keeps a prompt's KV cache for later requests.
-    """
-
-    def __init__(self, fetch_cache: Callable, save_cache: Callable):
-        self._fetch_cache = fetch_cache
-        self._save_cache = save_cache
+    def __init__(self):
         self._waiting: list[tuple[EmbeddingRequest | ScoreRequest, Future]] = []
         self._job: _Job | None = None
 
@@ -218,11 +211,11 @@ class JobQueue:
     def add(self, request: EmbeddingRequest | ScoreRequest, future: Future) -> None:
         self._waiting.append((request, future))
 
-    def step(self, model: nn.Module, options, before_answer: Callable) -> None:
+    def step(self, served, before_answer: Callable) -> None:
         """One chunk of the running job, else of the next one; ``before_answer``
         runs when a job is done, before its callers get their results."""
         if self._job is None:
-            self._job = self._next_job(model, options)
+            self._job = self._next_job(served)
         job = self._job
         try:
             if job.work is None:
@@ -246,14 +239,15 @@ class JobQueue:
             future.set_exception(copy.copy(error))
         self._job, self._waiting = None, []
 
-    def _next_job(self, model: nn.Module, options) -> _Job:
+    def _next_job(self, served) -> _Job:
         """The first waiting Score, or every waiting embedding up to a batch."""
+        model, options, store = served.model, served.info.options, served.store
         request, future = self._waiting[0]
         if isinstance(request, ScoreRequest):
             del self._waiting[0]
 
             def start() -> ScoreBatch:
-                kv_cache, rest = self._fetch_cache(request.prompt)
+                kv_cache, rest = store.fetch(request.prompt)
                 return ScoreBatch(
                     model,
                     kv_cache,
@@ -264,7 +258,7 @@ class JobQueue:
                 )
 
             def finish(work: ScoreBatch) -> None:
-                self._save_cache(request.load_id, work.cache, request.prompt)
+                store.keep(work.cache, request.prompt)
                 future.set_result(work.scores)
 
             return _Job([future], start, finish)

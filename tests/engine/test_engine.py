@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 import pytest
 
-import mlx_backend.engine.engine as engine_module
+import mlx_backend.engine.loop as loop_module
 from mlx_backend.cpu.blas import (
     BLAS_THREAD_ENV,
     blas_threads,
@@ -33,6 +33,7 @@ from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import Aborted, FailedPrecondition
+from mlx_backend.models.loading import LoadPlan
 from mlx_backend.output.reply_pipeline import Finished, Output
 from mlx_backend.request_parsing import GenerationRequest, SamplingParams
 from mlx_cache import common_length
@@ -165,7 +166,7 @@ def test_forced_tokens_through_the_request_processors(engine):
 
 
 def test_requests_beyond_the_decoders_capabilities_are_refused(engine):
-    decoder = engine._decoder
+    decoder = engine.served.decoder
     advertised = decoder.capabilities
     decoder.capabilities = dataclasses.replace(
         advertised, logprobs=False, grammar=False
@@ -284,7 +285,7 @@ def test_unbatchable_models_fall_back_to_one_sequence_each(caplog):
     engine = load_engine("max_kv_size:256")
     try:
         assert "requests run one sequence each: max_kv_size" in caplog.text
-        assert not engine._decoder.capabilities.batching
+        assert not engine.served.decoder.capabilities.batching
         replies = run(engine, generation(engine), generation(engine))
         assert [text_of(r) for r in replies] == [ANSWER, ANSWER]
         assert stats_after(engine)["batch_decode_steps"] == 0
@@ -495,12 +496,16 @@ def test_mixed_bursts_share_within_each_group(sharing, reference):
 def admissions(engine: Engine, delay: float) -> list[tuple[int, float]]:
     """Two requests submitted ``delay`` seconds apart to the idle engine: the step at
     which each joined the decoder, and the seconds after the first's submission."""
-    decoder, joined = engine._decoder, []
-    add = decoder.add
+    decoder, joined, steps = engine.served.decoder, [], [0]
+    add, step = decoder.add, decoder.step
 
     def record(sequence):
-        joined.append((engine._steps, time.monotonic()))
+        joined.append((steps[0], time.monotonic()))
         return add(sequence)
+
+    def count():
+        steps[0] += 1
+        return step()
 
     async def main():
         start = time.monotonic()
@@ -511,26 +516,32 @@ def admissions(engine: Engine, delay: float) -> list[tuple[int, float]]:
         )
         return start
 
-    on_engine_thread(engine, lambda *_: setattr(decoder, "add", record))
+    def patch(*_):
+        decoder.add, decoder.step = record, count
+
+    def unpatch(*_):
+        del decoder.add, decoder.step
+
+    on_engine_thread(engine, patch)
     try:
         start = asyncio.run(main())
     finally:
-        on_engine_thread(engine, lambda *_: delattr(decoder, "add"))
+        on_engine_thread(engine, unpatch)
     return [(step, at - start) for step, at in joined]
 
 
 def test_requests_that_wake_the_engine_together_prefill_together(sharing, monkeypatch):
     """A request that wakes the idle engine waits for others arriving within the
     gap, so a burst is prefilled in one step; a lone one waits only the gap."""
-    monkeypatch.setattr(engine_module, "BURST_GAP_SECONDS", 0.3)
-    monkeypatch.setattr(engine_module, "BURST_SECONDS", 2.0)
+    monkeypatch.setattr(loop_module, "BURST_GAP_SECONDS", 0.3)
+    monkeypatch.setattr(loop_module, "BURST_SECONDS", 2.0)
     (first, _), (second, _) = admissions(sharing, 0.1)
     assert first == second
-    monkeypatch.setattr(engine_module, "BURST_GAP_SECONDS", 0.1)
+    monkeypatch.setattr(loop_module, "BURST_GAP_SECONDS", 0.1)
     (_, waited), _ = admissions(sharing, 1.0)
     assert 0.1 <= waited < 1.0
     # Without the window the first is prefilled alone; the second joins later.
-    monkeypatch.setattr(engine_module, "BURST_SECONDS", 0.0)
+    monkeypatch.setattr(loop_module, "BURST_SECONDS", 0.0)
     (first, _), (second, _) = admissions(sharing, 0.1)
     assert second > first
 
@@ -560,7 +571,7 @@ def test_threads_cap_the_blas(monkeypatch):
         assert f"{threads} BLAS threads (Threads)" in (
             engine.info.compute_path.description
         )
-        engine.load("", parse_options([]), 0, identity="default").result()
+        engine.load(LoadPlan(identity="default", options=parse_options([]))).result()
         assert blas_threads() == physical_cores()
         assert stats_after(engine)["blas_threads"] == physical_cores()
     finally:
@@ -620,7 +631,7 @@ def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
         monkeypatch.setenv(CPU_PACING_ENV, "auto")
-        engine.load("", parse_options([]), 0, identity="default").result()
+        engine.load(LoadPlan(identity="default", options=parse_options([]))).result()
         path = engine.info.compute_path
         if on_cpu:
             assert re.search(

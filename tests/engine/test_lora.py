@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_backend.engine.engine import Engine
+from mlx_backend.models.loading import LoadPlan
 from mlx_backend.models.lora import Adapter, AdapterError
 from python_utils import parse_options
 from tests.support import ANSWER, generation, load_engine, run, text_of, write_adapter
@@ -37,11 +38,11 @@ def greedy_answer(*adapters: tuple[Path, float], fuse: bool = False) -> str:
     try:
         options = parse_options([f"fuse_lora:{fuse}", "max_tokens:24"])
         engine.load(
-            "",
-            options,
-            0,
-            identity="default",
-            adapters=tuple(Adapter(path, scale) for path, scale in adapters),
+            LoadPlan(
+                identity="default",
+                adapters=tuple((Adapter(path, scale) for path, scale in adapters)),
+                options=options,
+            )
         ).result()
         return text_of(run(engine, generation(engine))[0])
     finally:
@@ -66,7 +67,7 @@ def test_a_failed_adapter_keeps_the_model(tmp_path: Path):
         tiny = write_adapter(tmp_path / "tiny", seed=1)
         with pytest.raises(AdapterError, match="does not fit this model"):
             engine.load(
-                "", parse_options([]), 0, adapters=(Adapter(tiny, 1.0),)
+                LoadPlan(adapters=(Adapter(tiny, 1.0),), options=parse_options([]))
             ).result()
         assert engine.stats.state == "ready"
         assert text_of(run(engine, generation(engine))[0]) == before

@@ -13,6 +13,7 @@ import mlx_backend.caches.prompt_files as pcf
 from mlx_backend.caches.prompt_files import load_state
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.models.loading import LoadPlan
 from mlx_backend.request_parsing import parse_generation
 from python_utils import parse_options
 from tests.support import (
@@ -32,11 +33,11 @@ SYSTEM = " ".join(
 def files_engine(model_path: Path, *options: str) -> Engine:
     engine = Engine()
     engine.load(
-        "",
-        parse_options(list(options)),
-        0,
-        identity="default",
-        model_path=str(model_path),
+        LoadPlan(
+            identity="default",
+            model_path=str(model_path),
+            options=parse_options(list(options)),
+        )
     ).result()
     return engine
 
@@ -67,7 +68,7 @@ def ask(engine: Engine, path: str = "", **fields) -> tuple[str, int, tuple]:
 
 
 def file_key(engine: Engine) -> tuple[str, int]:
-    return engine._files.fingerprint, engine._files.layers
+    return engine.served.store.files.fingerprint, engine.served.store.files.layers
 
 
 def test_a_restart_restores_the_prompt_from_its_file(tmp_path, caplog):
@@ -163,10 +164,7 @@ def test_prompt_cache_dir_keeps_the_cache_across_restarts(tmp_path):
         prompts = [chat_request(engine, question=q).prompt for q in QUESTIONS]
         cached = on_engine_thread(
             engine,
-            lambda *_: [
-                engine._prompt_cache.cached_length(engine.info.load_id, p)
-                for p in prompts
-            ],
+            lambda *_: [engine.served.store.cached_length(p) for p in prompts],
         )
         # Two whole conversations; the evicted one shares the system prompt.
         kept = [i for i, p in enumerate(prompts) if cached[i] == len(p)]

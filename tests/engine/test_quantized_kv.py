@@ -13,6 +13,7 @@ from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.models.loading import LoadPlan
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
 from tests.support import (
@@ -132,11 +133,8 @@ def test_the_engine_serves_and_caches_quantized_kv():
         per_token = 30 * 2 * 3 * (64 + 2 * 2 * 4)
 
         def entries(model, options):
-            lru = engine._prompt_cache._lru
-            return [
-                (type(e.prompt_cache[0]), e.prompt_cache[0].offset)
-                for e in lru.values()
-            ]
+            entries = engine.served.store.cache.entries(engine.info.load_id)
+            return [(type(cache[0]), cache[0].offset) for _, cache in entries]
 
         kept = on_engine_thread(engine, entries)
         assert {kind for kind, _ in kept} == {QuantizedKVCache} and len(kept) == 3
@@ -191,6 +189,6 @@ def test_a_layout_the_model_cannot_take_fails_the_load(engine):
     fails before the running model is unloaded."""
     options = parse_options(["kv_bits:8", "kv_group_size:128"])
     with pytest.raises(InvalidArgument, match="kv_group_size 128: this model's KV"):
-        engine.load("", options, 0, identity="default").result()
+        engine.load(LoadPlan(identity="default", options=options)).result()
     assert engine.stats.state == "ready"
     assert text_of(run(engine, generation(engine))[0]) == ANSWER

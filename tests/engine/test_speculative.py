@@ -18,7 +18,7 @@ from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.speculative import NgramProposer, SpeculativeDecoder
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
-from mlx_backend.models.loading import ModelLoadError, default_model_path
+from mlx_backend.models.loading import LoadPlan, ModelLoadError, default_model_path
 from mlx_backend.output.reply_pipeline import Finished
 from mlx_backend.request_parsing import SamplingParams
 from python_utils import LoadOptions
@@ -58,7 +58,7 @@ def plain():
 def speculative():
     engine = load_engine()
     on_engine_thread(
-        engine, lambda model, options: setattr(engine._decoder, "costs", FLAT)
+        engine, lambda model, options: setattr(engine.served.decoder, "costs", FLAT)
     )
     yield engine
     engine.shutdown()
@@ -266,7 +266,7 @@ def flat_costs(engine) -> None:
     """Every k and every proposal costs one pass: each step verifies all it can."""
 
     def set_costs(model, options):
-        engine._decoder.costs, engine._decoder.per_proposal = FLAT, 0.0
+        engine.served.decoder.costs, engine.served.decoder.per_proposal = FLAT, 0.0
 
     on_engine_thread(engine, set_costs)
 
@@ -304,8 +304,8 @@ def test_a_draft_with_another_vocabulary_fails_the_load(tmp_path):
     engine = Engine()
     try:
         with pytest.raises(ModelLoadError, match="DraftModel: its vocabulary"):
-            engine.load("", LoadOptions(), 0, draft=str(draft)).result()
+            engine.load(LoadPlan(draft=str(draft), options=LoadOptions())).result()
         with pytest.raises(InvalidArgument, match="DraftModel"):
-            engine.load("", LoadOptions(speculative="draft"), 0).result()
+            engine.load(LoadPlan(options=LoadOptions(speculative="draft"))).result()
     finally:
         engine.shutdown()

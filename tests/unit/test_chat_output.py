@@ -4,8 +4,8 @@ through the engine's reply pipeline with the real tokenizer's streaming detokeni
 The real default weights are exported as an MLX folder whose tokenizer renames
 four unused special tokens to ``<think>``, ``</think>``, ``<tool_call>`` and
 ``</tool_call>`` and carries a Qwen-style chat template, so mlx-lm detects the
-markers and the tool parser as it would for a Qwen model (conftest's ``folders``
-and ``tokenizer``). No model runs: the parser is fed the tokens of given text.
+markers and the tool parser as it would for a Qwen model (conftest's ``folders``;
+``chat_tokenizer``). No model runs: the parser is fed the tokens of given text.
 """
 
 import json
@@ -29,6 +29,13 @@ from mlx_backend.output.reply_pipeline import ReplyPipeline
 from mlx_backend.request_parsing import GenerationRequest
 from python_utils import parse_options
 from tests.support import CALL_LYON, CALL_PARIS, REPLY, THOUGHT
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(folders):
+    """The ``json`` chat model's tokenizer."""
+    return load_tokenizer(folders["json"])
+
 
 # -- the parser, fed by the real tokenizer's streaming detokenizer -----------------
 
@@ -63,8 +70,8 @@ def without_ids(delta: Delta) -> tuple:
     return delta.content, delta.reasoning, calls
 
 
-def test_markers_come_from_the_tokenizer(folders, tokenizer):
-    markers = make_output_markers(tokenizer)
+def test_markers_come_from_the_tokenizer(folders, chat_tokenizer):
+    markers = make_output_markers(chat_tokenizer)
     assert (markers.think_start, markers.think_end) == ("<think>", "</think>")
     assert (markers.tool_call_start, markers.tool_call_end) == (
         "<tool_call>",
@@ -97,8 +104,8 @@ def test_the_tool_parser_option_replaces_the_inferred_markup(folders):
         parse_options(["tool_parser:vllm"])
 
 
-def test_reasoning_content_and_two_tool_calls(tokenizer):
-    whole = merge_deltas(classify(tokenizer, [REPLY]))
+def test_reasoning_content_and_two_tool_calls(chat_tokenizer):
+    whole = merge_deltas(classify(chat_tokenizer, [REPLY]))
     assert without_ids(whole) == (
         "Let me check both cities.\n",
         THOUGHT + "\n",
@@ -112,60 +119,62 @@ def test_reasoning_content_and_two_tool_calls(tokenizer):
     assert len(set(ids)) == 2
 
 
-def test_each_call_is_emitted_when_its_closing_marker_arrives(tokenizer):
-    deltas = classify(tokenizer, [f"<tool_call>\n{CALL_LYON}\n", "</tool_call>", "ok"])
+def test_each_call_is_emitted_when_its_closing_marker_arrives(chat_tokenizer):
+    deltas = classify(
+        chat_tokenizer, [f"<tool_call>\n{CALL_LYON}\n", "</tool_call>", "ok"]
+    )
     with_calls = [i for i, d in enumerate(deltas) if d.tool_calls]
-    closing = len(tokenizer.encode(f"<tool_call>\n{CALL_LYON}\n"))
+    closing = len(chat_tokenizer.encode(f"<tool_call>\n{CALL_LYON}\n"))
     assert with_calls == [closing]
     assert all(not d.content for d in deltas[:closing])
     assert merge_deltas(deltas).content == "ok"
 
 
 @pytest.mark.parametrize("marker", ["<think>", "</think>", "<tool_call>"])
-def test_a_marker_split_into_characters_never_leaks(tokenizer, marker):
+def test_a_marker_split_into_characters_never_leaks(chat_tokenizer, marker):
     # Each character its own token: the marker is held back until resolved.
     pieces = ["Hi "] + list("<think>") + ["hmm"] + list("</think>") + ["Done"]
     if marker == "<tool_call>":
         pieces = ["Hi "] + list(f"<tool_call>{CALL_LYON}</tool_call>") + ["Done"]
-    deltas = classify(tokenizer, pieces)
+    deltas = classify(chat_tokenizer, pieces)
     assert all("<" not in d.content for d in deltas)
     whole = merge_deltas(deltas)
     assert whole.content == "Hi Done"
 
 
-def test_a_partial_marker_that_never_completes_is_text(tokenizer):
-    whole = merge_deltas(classify(tokenizer, ["a <thin", "g> b <tool_c"]))
+def test_a_partial_marker_that_never_completes_is_text(chat_tokenizer):
+    whole = merge_deltas(classify(chat_tokenizer, ["a <thin", "g> b <tool_c"]))
     assert without_ids(whole) == ("a <thing> b <tool_c", "", ())
 
 
-def test_a_reply_that_opens_inside_thinking(tokenizer):
+def test_a_reply_that_opens_inside_thinking(chat_tokenizer):
     whole = merge_deltas(
-        classify(tokenizer, [THOUGHT, "</think>\n\nSunny."], reasoning_open=True)
+        classify(chat_tokenizer, [THOUGHT, "</think>\n\nSunny."], reasoning_open=True)
     )
     assert without_ids(whole) == ("Sunny.", THOUGHT, ())
 
 
-def test_a_lone_closing_marker_is_stripped(tokenizer):
-    whole = merge_deltas(classify(tokenizer, ["Sure.</think> Sunny."]))
+def test_a_lone_closing_marker_is_stripped(chat_tokenizer):
+    whole = merge_deltas(classify(chat_tokenizer, ["Sure.</think> Sunny."]))
     assert whole.content == "Sure. Sunny."
 
 
-def test_a_bad_tool_call_comes_back_as_content(tokenizer, caplog):
+def test_a_bad_tool_call_comes_back_as_content(chat_tokenizer, caplog):
     raw = '<tool_call>\n{"name": "get_weather", "arguments": [1, 2}\n</tool_call>'
     with caplog.at_level(logging.WARNING, logger="mlx_backend"):
-        whole = merge_deltas(classify(tokenizer, ["Hmm. ", raw, " Sorry."]))
+        whole = merge_deltas(classify(chat_tokenizer, ["Hmm. ", raw, " Sorry."]))
     assert without_ids(whole) == (f"Hmm. {raw} Sorry.", "", ())
     assert "could not parse a" in caplog.text
 
 
-def test_an_unfinished_tool_call_is_parsed_at_the_end(tokenizer):
-    whole = merge_deltas(classify(tokenizer, [f"<tool_call>\n{CALL_LYON}\n"]))
+def test_an_unfinished_tool_call_is_parsed_at_the_end(chat_tokenizer):
+    whole = merge_deltas(classify(chat_tokenizer, [f"<tool_call>\n{CALL_LYON}\n"]))
     assert without_ids(whole) == ("", "", ((0, "get_weather", {"city": "Lyon"}),))
 
 
-def test_tool_parsing_off_leaves_the_markup_as_content(tokenizer):
+def test_tool_parsing_off_leaves_the_markup_as_content(chat_tokenizer):
     text = f"<tool_call>{CALL_LYON}</tool_call>"
-    whole = merge_deltas(classify(tokenizer, [text], parse_tool_calls=False))
+    whole = merge_deltas(classify(chat_tokenizer, [text], parse_tool_calls=False))
     assert without_ids(whole) == (text, "", ())
 
 
@@ -176,12 +185,14 @@ def test_tool_parsing_off_leaves_the_markup_as_content(tokenizer):
         ("wants", ("", "The user ", ())),
     ],
 )
-def test_stop_strings_end_the_text_in_every_state(tokenizer, stop, expected):
-    assert without_ids(merge_deltas(classify(tokenizer, [REPLY], [stop]))) == expected
+def test_stop_strings_end_the_text_in_every_state(chat_tokenizer, stop, expected):
+    assert (
+        without_ids(merge_deltas(classify(chat_tokenizer, [REPLY], [stop]))) == expected
+    )
 
 
-def test_a_stop_string_inside_a_call_leaves_it_unfinished(tokenizer):
-    whole = merge_deltas(classify(tokenizer, [REPLY], ['"Lyon"']))
+def test_a_stop_string_inside_a_call_leaves_it_unfinished(chat_tokenizer):
+    whole = merge_deltas(classify(chat_tokenizer, [REPLY], ['"Lyon"']))
     unfinished = '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
     assert without_ids(whole) == (
         f"Let me check both cities.\n{unfinished}",
@@ -210,13 +221,13 @@ BLOCKS = [
     opened=st.booleans(),
 )
 def test_any_token_split_streams_what_the_whole_text_gives(
-    tokenizer, blocks, cuts, opened
+    chat_tokenizer, blocks, cuts, opened
 ):
     text = "".join(blocks)
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(points, points[1:])]
-    streamed = classify(tokenizer, pieces, reasoning_open=opened)
-    whole = merge_deltas(classify(tokenizer, [text], reasoning_open=opened))
+    streamed = classify(chat_tokenizer, pieces, reasoning_open=opened)
+    whole = merge_deltas(classify(chat_tokenizer, [text], reasoning_open=opened))
     assert without_ids(merge_deltas(streamed)) == without_ids(whole)
     # Markup never reaches content, except a call that failed to parse.
     content = whole.content.replace('<tool_call>{"name": oops}</tool_call>', "")

@@ -15,9 +15,9 @@ from mlx_backend.distributed.group import (
     gather_workers,
     group_environment,
     leader_settings,
-    pipeline_size_fn,
     worker_settings,
 )
+from mlx_backend.distributed.lockstep import pipeline_size_fn
 from mlx_backend.distributed.sharding import ShardingError, choose_mode
 from mlx_backend.errors import InvalidArgument, Unavailable
 from python_utils import parse_options

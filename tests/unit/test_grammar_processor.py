@@ -6,27 +6,14 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import mlx_backend.grammar as grammar
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.grammar import GrammarCompiler, make_grammar_processor
-from mlx_backend.models.gguf import save_tokenizer
-from mlx_backend.models.loading import default_model_path
 from mlx_backend.output.detokenizer import make_token_bytes
 
 YES_NO = 'root ::= "yes" | "no"'
 SENTENCE = 'root ::= "The answer is " ("yes" | "no") "."'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    # The GGUF's tokenizer built as load_gguf builds it, without the model.
-    _, metadata = mx.load(str(default_model_path()), return_metadata=True)
-    folder = tmp_path_factory.mktemp("tokenizer")
-    save_tokenizer(metadata, folder)
-    eos = metadata["tokenizer.ggml.eos_token_id"].item()
-    return load_tokenizer(folder, eos_token_ids=[eos])
 
 
 @pytest.fixture(scope="module")

@@ -197,8 +197,10 @@ OPTIONS = SimpleNamespace(
 )
 
 
-class FakePromptCache:
-    """fetch/save callables: always a fresh cache; remembers what it was given."""
+class FakePromptStore:
+    """A prompt store of load 3: always a fresh cache; remembers what it was given."""
+
+    load_id = 3
 
     def __init__(self, model):
         self._model = model
@@ -209,22 +211,28 @@ class FakePromptCache:
         self.fetched.append(prompt)
         return make_prompt_cache(self._model), prompt
 
-    def save(self, generation, cache, tokens):
-        self.saved.append((generation, cache[0].offset, tuple(tokens)))
+    def keep(self, cache, tokens, holders=1):
+        self.saved.append((self.load_id, cache[0].offset, tuple(tokens)))
 
 
-def drain(queue, model, options=OPTIONS, before_answer=lambda: None) -> int:
+def served(model, options=OPTIONS, store=None) -> SimpleNamespace:
+    """What the job queue reads of a served model."""
+    info = SimpleNamespace(options=options)
+    return SimpleNamespace(model=model, info=info, store=store)
+
+
+def drain(queue, model, options=OPTIONS, before_answer=lambda: None, store=None):
     steps = 0
     while queue:
-        queue.step(model, options, before_answer)
+        queue.step(served(model, options, store), before_answer)
         steps += 1
         assert steps < 100
     return steps
 
 
 def test_queued_embeddings_share_a_job_and_a_score_runs_alone(model):
-    store = FakePromptCache(model)
-    queue = JobQueue(store.fetch, store.save)
+    store = FakePromptStore(model)
+    queue = JobQueue()
     first, second = EmbeddingRequest((1, 2, 3)), EmbeddingRequest((4, 5, 6, 7, 8))
     score = ScoreRequest(prompt=PROMPT, candidates=CANDIDATES[:2], load_id=3)
     futures = [Future(), Future(), Future()]
@@ -236,7 +244,7 @@ def test_queued_embeddings_share_a_job_and_a_score_runs_alone(model):
     def before_answer():
         answered.append([f.done() for f in futures])
 
-    drain(queue, model, before_answer=before_answer)
+    drain(queue, model, before_answer=before_answer, store=store)
     # Both embeddings in one job, ahead of the Score; each job's callers get their
     # results after before_answer.
     assert answered == [[False, False, False], [True, False, True]]
@@ -255,7 +263,7 @@ def test_queued_embeddings_share_a_job_and_a_score_runs_alone(model):
 
 
 def test_embedding_jobs_hold_at_most_max_batch_size(model):
-    queue = JobQueue(None, None)
+    queue = JobQueue()
     futures = [Future() for _ in range(3)]
     for i, future in enumerate(futures):
         queue.add(EmbeddingRequest((i + 1, i + 2)), future)
@@ -267,15 +275,16 @@ def test_embedding_jobs_hold_at_most_max_batch_size(model):
 
 
 def test_a_failing_job_fails_its_futures_and_the_queue_goes_on(model, monkeypatch):
-    def broken_fetch(prompt):
-        raise RuntimeError("no cache for you")
+    class BrokenStore:
+        def fetch(self, prompt):
+            raise RuntimeError("no cache for you")
 
-    queue = JobQueue(broken_fetch, None)
+    queue = JobQueue()
     score, embedding = Future(), Future()
     queue.add(ScoreRequest(prompt=PROMPT, candidates=CANDIDATES), score)
     queue.add(EmbeddingRequest((1, 2, 3)), embedding)
     answered = []
-    queue.step(model, OPTIONS, lambda: answered.append(True))
+    queue.step(served(model, store=BrokenStore()), lambda: answered.append(True))
     error = score.exception(timeout=0)
     assert type(error) is RuntimeError and str(error) == "no cache for you"
     assert not embedding.done() and queue
@@ -288,7 +297,7 @@ def test_a_failing_job_fails_its_futures_and_the_queue_goes_on(model, monkeypatc
     queue.add(EmbeddingRequest((4, 5)), more)
     with monkeypatch.context() as patch:
         patch.setattr(EmbeddingBatch, "advance", broken_advance)
-        queue.step(model, OPTIONS, lambda: answered.append(True))
+        queue.step(served(model), lambda: answered.append(True))
     errors = [embedding.exception(timeout=0), more.exception(timeout=0)]
     assert [str(e) for e in errors] == ["out of memory"] * 2
     assert errors[0] is not errors[1]
@@ -304,13 +313,13 @@ def test_a_failing_job_fails_its_futures_and_the_queue_goes_on(model, monkeypatc
 
 
 def test_abort_fails_the_running_job_and_every_waiting_request(model):
-    store = FakePromptCache(model)
-    queue = JobQueue(store.fetch, store.save)
+    store = FakePromptStore(model)
+    queue = JobQueue()
     futures = [Future(), Future()]
     queue.add(ScoreRequest(prompt=tuple(range(1, 30)), candidates=((3,),)), futures[0])
     queue.add(EmbeddingRequest((1, 2)), futures[1])
     options = SimpleNamespace(**{**vars(OPTIONS), "prefill_step_size": 4})
-    queue.step(model, options, lambda: pytest.fail("nothing is done yet"))
+    queue.step(served(model, options, store), lambda: pytest.fail("nothing yet"))
     assert store.fetched and not futures[0].done()
 
     queue.abort(Aborted("the model was replaced"))

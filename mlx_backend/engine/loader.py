@@ -1,0 +1,228 @@
+"""Loading a model to serve: one ``LoadPlan`` in, one ``ServedModel`` out.
+
+A load has two halves. ``resolve`` reads and checks the new model beside the
+running one (the weights of an MLX folder stay lazy), so that a failure keeps the
+old model serving. ``prepare`` loads the weights and builds what serving needs:
+the compute path, CPU pacing, the decoder, and the prompt store with its files.
+The engine's ``Loader`` runs them for rank 0 (or a process serving alone) and
+numbers the loads; a worker of a group runs the same two halves for each ``Load``
+op rank 0 sends it, with the same plan.
+"""
+
+import os
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import mlx.nn as nn
+
+from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
+from mlx_backend.cpu.pacing import make_pacing
+from mlx_backend.decoders.base import Decoder
+from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
+from mlx_backend.distributed.leader import LeaderDecoder
+from mlx_backend.distributed.lockstep import Load, Lockstep
+from mlx_backend.distributed.sharding import Sharding, choose_mode
+from mlx_backend.engine.prompt_store import (
+    PromptCounts,
+    PromptStore,
+    make_prompt_cache,
+    make_prompt_files,
+    prompt_cache_bytes,
+)
+from mlx_backend.errors import InvalidArgument
+from mlx_backend.models.loading import (
+    LoadedModel,
+    LoadPlan,
+    ModelInfo,
+    load_draft,
+    load_model,
+    prepare_model,
+)
+from mlx_backend.models.lora import check_adapters
+from mlx_utils import check_kv_cache, make_kv_cache
+from python_utils import LoadOptions
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """Everything one loaded model is served with, swapped in one assignment."""
+
+    model: nn.Module
+    info: ModelInfo
+    decoder: Decoder
+    store: PromptStore
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A model read and checked, its weights still lazy where they can be."""
+
+    plan: LoadPlan
+    loaded: LoadedModel
+    draft: nn.Module | None = None
+    # This rank's share of the model over a group, and the model's layer count.
+    sharding: Sharding | None = None
+    total_layers: int = 0
+
+
+def resolve(
+    plan: LoadPlan, lockstep: Lockstep | None = None, mode: str = ""
+) -> Resolved:
+    """Read and check ``plan``'s model (and its draft model); over a group, split
+    it by ``mode``, which rank 0 chooses ("") and sends the workers."""
+    options = plan.options
+    if options.speculative == "draft" and not plan.draft:
+        raise InvalidArgument("Options: speculative:draft needs a DraftModel")
+    if lockstep is not None:
+        check_group_plan(plan)
+    loaded = load_model(
+        plan.model,
+        model_file=plan.model_file,
+        model_path=plan.model_path,
+        trust_remote_code=options.trust_remote_code,
+    )
+    check_adapters(loaded.model, plan.adapters)
+    check_kv_cache(loaded.model, options)
+    sharding = None
+    if lockstep is not None:
+        mode = mode or choose_mode(
+            loaded.model, lockstep.size, options.distributed_mode
+        )
+        sharding = Sharding(lockstep.group, mode)
+    draft = None
+    if plan.draft:
+        draft = load_draft(plan.draft, plan.model_path, loaded, options)
+    return Resolved(plan, loaded, draft, sharding, len(loaded.model.layers))
+
+
+def check_group_plan(plan: LoadPlan) -> None:
+    """What a group does not serve."""
+    if plan.draft:
+        raise InvalidArgument(
+            "DraftModel: speculative decoding does not run distributed"
+        )
+    if plan.adapters:
+        raise InvalidArgument("LoraAdapters: LoRA adapters are not served distributed")
+    if plan.options.prompt_cache_dir:
+        raise InvalidArgument(
+            "Options: prompt_cache_dir is not used over a distributed group"
+        )
+
+
+def prepare(
+    resolved: Resolved,
+    load_id: int,
+    max_cache_bytes: int,
+    lockstep: Lockstep | None = None,
+    counts: PromptCounts | None = None,
+    notes: tuple[str, ...] = (),
+) -> ServedModel:
+    """Load ``resolved``'s weights and build what serving them needs.
+
+    Args:
+        resolved: What ``resolve`` returned.
+        load_id: The number of this load, which requests and cache entries carry.
+        max_cache_bytes: The prompt cache's byte budget (rank 0's, on every rank).
+        lockstep: The group's channel, when serving over one.
+        counts: Where the prompt store counts what its fetches served.
+        notes: More of the compute path's description (the BLAS threads).
+    """
+    plan = resolved.plan
+    loaded, info = prepare_model(
+        resolved.loaded,
+        plan.identity,
+        plan.options,
+        plan.context_size,
+        load_id,
+        resolved.sharding,
+        plan.adapters,
+    )
+    model, options = loaded.model, info.options
+    pacing = make_pacing(model, options, lockstep is None, os.environ)
+    path = info.compute_path.extended(pacing.describe(), paced=pacing.paced)
+    for note in notes:
+        path = path.extended(note)
+    info = replace(info, compute_path=replace(path, blas_threads=blas_threads() or 0))
+    decoder = _make_decoder(model, options, resolved.draft, pacing.paced, lockstep)
+    # PromptCachePath files may lie under ModelPath and prompt_cache_dir; a group
+    # uses none.
+    roots = (plan.model_path, options.prompt_cache_dir)
+    info = replace(info, prompt_file_roots=tuple(Path(r).resolve() for r in roots if r))
+    files = None
+    if lockstep is None:
+        files = make_prompt_files(
+            model,
+            loaded.config,
+            info.source,
+            info.tokenizer.vocab,
+            options,
+            plan.adapters,
+        )
+    store = PromptStore(
+        make_prompt_cache(options, max_cache_bytes, lockstep, resolved.total_layers),
+        load_id,
+        partial(make_kv_cache, model, options),
+        files,
+        counts,
+    )
+    store.load_folder(options.max_cache_entries)
+    return ServedModel(model, info, decoder, store)
+
+
+def _make_decoder(
+    model: nn.Module,
+    options: LoadOptions,
+    draft: nn.Module | None,
+    paced: bool,
+    lockstep: Lockstep | None,
+) -> Decoder:
+    if lockstep is None:
+        return make_decoder(model, options, draft, paced)
+    decoder = make_plain_decoder(model, options, paced)
+    if not decoder.capabilities.batching:
+        raise InvalidArgument("distributed serving needs a model whose KV caches batch")
+    return LeaderDecoder(decoder, lockstep) if lockstep.rank == 0 else decoder
+
+
+class Loader:
+    """Rank 0's loads (or a lone process's): the load counter, the BLAS threads,
+    and over a group the ``Load`` op and every rank's agreement."""
+
+    def __init__(self, counts: PromptCounts):
+        self.loads = 0
+        self._counts = counts
+
+    def load(self, resolved: Resolved, lockstep: Lockstep | None) -> ServedModel:
+        """Prepare ``resolved`` as the next load, the previous model unloaded."""
+        self.loads += 1
+        options = resolved.plan.options
+        max_bytes = prompt_cache_bytes(options)
+        threads = apply_blas_threads(options.threads, lockstep is not None)
+        if lockstep is None:
+            return prepare(
+                resolved,
+                self.loads,
+                max_bytes,
+                counts=self._counts,
+                notes=(threads,) if threads else (),
+            )
+        lockstep.stall_seconds = options.distributed_step_timeout
+        mode = resolved.sharding.mode
+        lockstep.record(Load(resolved.plan, self.loads, mode, max_bytes))
+        lockstep.flush()
+        served, error = None, None
+        try:
+            served = prepare(
+                resolved,
+                self.loads,
+                max_bytes,
+                lockstep,
+                self._counts,
+                notes=(threads,) if threads else (),
+            )
+        except Exception as e:
+            error = e
+        # Every rank's outcome, which all ranks must share.
+        lockstep.agree(error)
+        return served

@@ -1,0 +1,190 @@
+"""The prompt store: one loaded model's prompt cache and its files.
+
+A request's KV state starts from the longest prefix the prompt cache holds
+(``fetch``), and a finished sequence's state goes back in (``keep``). On disk,
+``PromptCachePath`` files are restored when they serve more of a prompt than
+memory does, and ``prompt_cache_dir`` comes to hold the cache's entries while the
+engine is idle. A distributed worker keeps the same store, without files, and
+replays rank 0's inserts into it, so a hit on rank 0 is a hit on every rank.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from mlx_backend.caches.prompt_files import PromptFiles, make_fingerprint
+from mlx_backend.caches.quantized_kv import adopt
+from mlx_backend.cpu.blas import physical_memory
+from mlx_backend.distributed.leader import LeaderPromptCache
+from mlx_backend.distributed.lockstep import Lockstep, pipeline_size_fn
+from mlx_backend.errors import FailedPrecondition
+from mlx_backend.models.lora import Adapter
+from mlx_cache import ThreadSafeLRUPromptCache
+from mlx_utils import make_kv_cache, model_signature
+from python_utils import LoadOptions
+
+logger = logging.getLogger(__name__)
+
+# The share of physical memory the prompt cache may take by default.
+PROMPT_CACHE_MEMORY_FRACTION = 0.1
+
+
+@dataclass
+class PromptCounts:
+    """Prompt tokens served from the prompt cache, and those prefilled."""
+
+    reused: int = 0
+    prefilled: int = 0
+
+
+class PromptStore:
+    """One loaded model's prompt cache, its files, and what its fetches served.
+
+    Args:
+        cache: The prompt cache.
+        load_id: The load whose KV states it holds (the cache's model key).
+        make_cache: A fresh KV cache for the model, for a miss.
+        files: Its files on disk; None over a distributed group, which uses none.
+        counts: Where fetches count the tokens they served and left to prefill.
+    """
+
+    def __init__(
+        self,
+        cache: ThreadSafeLRUPromptCache,
+        load_id: int,
+        make_cache: Callable[[], list],
+        files: PromptFiles | None = None,
+        counts: PromptCounts | None = None,
+    ):
+        self.cache = cache
+        self.load_id = load_id
+        self._make_cache = make_cache
+        self.files = files
+        self.counts = counts or PromptCounts()
+        # Whether the cache changed since prompt_cache_dir was last written.
+        self._changed = False
+
+    def fetch(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
+        """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
+        kv_cache, rest = self.cache.fetch_for_prompt(self.load_id, prompt)
+        if kv_cache is None:
+            kv_cache = self._make_cache()
+        self.counts.reused += len(prompt) - len(rest)
+        self.counts.prefilled += len(rest)
+        return kv_cache, tuple(rest)
+
+    def keep(self, kv_cache: list, tokens, holders: int = 1) -> None:
+        """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
+        self.cache.insert_state(self.load_id, tokens, kv_cache, holders)
+        self._changed = True
+
+    def cached_length(self, prompt: tuple[int, ...]) -> int:
+        return self.cache.cached_length(self.load_id, prompt)
+
+    def restore(self, path: Path, prompt: tuple[int, ...]) -> None:
+        """A PromptCachePath file's KV state joins the prompt cache when it serves
+        more of ``prompt`` than the cache does."""
+        if self.files is None:
+            raise FailedPrecondition(
+                "PromptCachePath: prompt cache files are not used over a "
+                "distributed group"
+            )
+        cached = self.cached_length(prompt)
+        state = self.files.read(path, prompt, cached)
+        if state is None:
+            return
+        cache, tokens = state
+        self.keep(adopt(cache, self._make_cache()), tokens)
+        if self.cached_length(prompt) <= cached:
+            logger.warning(
+                "the prompt cache can't keep the %d-token KV state of %s "
+                "(max_cache_entries, max_cache_bytes)",
+                len(tokens),
+                path,
+            )
+            self.files.unkept(path)
+            return
+        logger.info("restored %d tokens' KV state from %s", len(tokens), path)
+
+    def write(self, path: Path, kv_cache: list, tokens) -> None:
+        """Save a PromptCachePath file (a request's restore made sure of files)."""
+        self.files.write(path, kv_cache, tokens)
+
+    def load_folder(self, limit: int) -> None:
+        """prompt_cache_dir's entries join the prompt cache."""
+        if self.files is None:
+            return
+        for cache, tokens in self.files.load_folder(limit):
+            self.keep(adopt(cache, self._make_cache()), tokens)
+        self._changed = False
+
+    def sync(self) -> None:
+        """While idle, prompt_cache_dir comes to hold the prompt cache's entries."""
+        if self.files is None or not self._changed:
+            return
+        self._changed = False
+        self.files.sync_folder(self.cache.entries(self.load_id))
+
+    def close(self) -> None:
+        """The model is unloaded: write what is due, then drop every entry."""
+        self.sync()
+        self.cache.clear()
+
+
+def make_prompt_cache(
+    options: LoadOptions,
+    max_bytes: int,
+    lockstep: Lockstep | None = None,
+    total_layers: int = 0,
+) -> ThreadSafeLRUPromptCache:
+    """The prompt cache of a process, or of a rank of a group: the same bounds and
+    entry sizes on every rank, and rank 0's inserts recorded for the others."""
+    kind = ThreadSafeLRUPromptCache
+    kwargs = {}
+    if lockstep is not None:
+        kwargs["size_fn"] = lambda kv: pipeline_size_fn(kv, total_layers)
+        if lockstep.rank == 0:
+            kind, kwargs["lockstep"] = LeaderPromptCache, lockstep
+    return kind(
+        max_size=options.max_cache_entries,
+        can_trim_fn=can_trim_prompt_cache,
+        trim_fn=trim_prompt_cache,
+        max_bytes=max_bytes,
+        **kwargs,
+    )
+
+
+def prompt_cache_bytes(options: LoadOptions) -> int:
+    if options.max_cache_bytes is not None:
+        return options.max_cache_bytes
+    return int(physical_memory() * PROMPT_CACHE_MEMORY_FRACTION)
+
+
+def make_prompt_files(
+    model: nn.Module,
+    config: dict,
+    source: str,
+    vocab: dict[str, int],
+    options: LoadOptions,
+    adapters: tuple[Adapter, ...],
+) -> PromptFiles:
+    """The loaded model's prompt cache files: a KV state on disk serves only the
+    model, tokenizer, KV layout and adapters that made it."""
+    layout = (
+        f"kv_bits={options.kv_bits},kv_group_size={options.kv_group_size},"
+        f"quantized_kv_start={options.quantized_kv_start},"
+        f"max_kv_size={options.max_kv_size},fuse_lora={options.fuse_lora},"
+        f"adapters={[(str(a.path), a.scale) for a in adapters]}"
+    )
+    identity = f"{source}; {model_signature(model, config)}"
+    fingerprint = make_fingerprint(identity, vocab, layout)
+    layers = len(make_kv_cache(model, options))
+    folder = None
+    if options.prompt_cache_dir:
+        # Each model's entries in a folder of their own.
+        folder = Path(options.prompt_cache_dir) / fingerprint[:16]
+    return PromptFiles(fingerprint, layers, folder)

@@ -1,0 +1,325 @@
+"""The scheduler: which requests run, and what becomes of each step's results.
+
+``schedule`` sweeps the running sequences whose client is gone, then admits the
+waiting requests into the decoder, each from the longest prefix the prompt store
+holds. A request that shares a long prefix with one being prefilled waits for its
+KV state instead (prefix sharing). ``update`` runs each sequence's step results
+through its reply pipeline to its stream, and retires the finished ones, whose KV
+state goes to the prompt store.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from mlx_backend.decoders.base import KVState, NewSequence, StepResult
+from mlx_backend.engine.loader import ServedModel
+from mlx_backend.engine.loop import RequestStream, Submit
+from mlx_backend.engine.stats import RequestMetrics, make_request_metrics
+from mlx_backend.errors import (
+    Aborted,
+    BackendError,
+    FailedPrecondition,
+    ResourceExhausted,
+    Unavailable,
+)
+from mlx_backend.output.reply_pipeline import ReplyPipeline
+from mlx_backend.request_parsing import GenerationRequest
+from mlx_backend.sampling import make_request_processors, make_request_sampler
+from mlx_cache import common_length
+
+logger = logging.getLogger(__name__)
+
+# A request waits for another's prefill only to skip at least this many tokens:
+# below it, copying the shared KV state costs about what prefilling it does.
+SHARED_PREFIX_MIN_TOKENS = 64
+
+
+@dataclass(eq=False)
+class Running:
+    """One request being generated: its decoder key, stream and reply pipeline."""
+
+    key: int
+    request: GenerationRequest
+    stream: RequestStream
+    reply: ReplyPipeline
+    # Prompt tokens served from the prompt cache, and the slot number it holds.
+    reused: int
+    slot: int
+    proposed: int = 0
+    accepted: int = 0
+
+
+class Scheduler:
+    """Waiting and running requests. Every method runs on the engine thread and
+    takes the model being served (None when there is none) and its group, whose
+    ``broken`` says why it can't serve."""
+
+    def __init__(self):
+        self.running: dict[int, Running] = {}
+        # Submitted requests, admitted after the step's cancellations retire.
+        self.waiting: list[Submit] = []
+        # Prompt prefixes that running sequences are prefilling, with the requests
+        # waiting to start from their KV state; and each sequence's prefixes.
+        self._pending: dict[tuple[int, ...], list[Submit]] = {}
+        self._prefixes: dict[int, list[tuple[int, ...]]] = {}
+        self.last_request = RequestMetrics()
+
+    def __bool__(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self, served: ServedModel | None, group) -> bool:
+        """Retire the cancelled, then start the waiting requests, except those that
+        can wait for a prefix another sequence is prefilling; whether any waited."""
+        self._sweep(served)
+        waiting, self.waiting = self.waiting, []
+        for i, message in enumerate(waiting):
+            if message.stream.cancelled:
+                continue
+            prefix, lead = self._plan_sharing(served, message.request, waiting[i + 1 :])
+            if prefix is not None:
+                self._pending[prefix].append(message)
+                continue
+            self._admit(served, group, message.request, message.stream, lead)
+        return bool(waiting)
+
+    def update(self, served: ServedModel, results: list[StepResult]) -> None:
+        """Each sequence's tokens through its reply pipeline to its stream."""
+        for result in results:
+            seq = self.running.get(result.key)
+            if seq is None:
+                continue
+            if result.error is not None:
+                seq.stream.put(result.error)
+                self._retire(served, seq, result.state)
+                continue
+            for snapshot in result.snapshots:
+                self._share(served, snapshot)
+            seq.proposed += result.proposed
+            seq.accepted += result.accepted
+            if seq.stream.cancelled:  # during the step
+                self._cancel(served, seq, result.state)
+                continue
+            try:
+                for token, scored in zip(result.tokens, result.logprobs):
+                    event = seq.reply.add(token, scored)
+                    if event is not None:
+                        seq.stream.put(event)
+                    if seq.reply.finished:
+                        break
+                if result.done and not seq.reply.finished:
+                    seq.stream.put(seq.reply.finish("length"))
+            except BackendError as e:
+                seq.stream.put(e)
+                self._retire(served, seq, result.state)
+                continue
+            if seq.reply.finished:
+                self._retire(served, seq, result.state)
+
+    def abort(self, reason: str) -> None:
+        """End every waiting and running request with ``reason`` (the decoder's
+        sequences are the caller's to drop)."""
+        waiting = self.waiting + [m for f in self._pending.values() for m in f]
+        streams = [m.stream for m in waiting]
+        streams += [seq.stream for seq in self.running.values()]
+        for stream in streams:
+            stream.put(Aborted(reason))
+        self.running.clear()
+        self.waiting, self._pending, self._prefixes = [], {}, {}
+
+    def _sweep(self, served: ServedModel | None) -> None:
+        """Retire the sequences whose handler is gone or whose client stopped reading."""
+        for followers in self._pending.values():
+            followers[:] = [f for f in followers if not f.stream.cancelled]
+        if not self.running:
+            return
+        limit = served.info.options.max_stream_backlog
+        for seq in list(self.running.values()):
+            if seq.stream.cancelled:
+                self._cancel(served, seq)
+            elif seq.stream.backlog > limit:
+                # A client that stops reading must not make the server buffer its
+                # whole reply; the other streams go on.
+                logger.warning(
+                    "ending a stream after %d tokens: its client left %d replies unread",
+                    seq.reply.generated,
+                    seq.stream.backlog,
+                )
+                seq.stream.put(
+                    ResourceExhausted(
+                        f"PredictStream: the client left {seq.stream.backlog} replies "
+                        f"unread (max_stream_backlog is {limit}); the stream was ended"
+                    )
+                )
+                self._retire(served, seq)
+
+    def _cancel(
+        self, served: ServedModel, seq: Running, state: KVState | None = None
+    ) -> None:
+        if seq.reply.first_token_at is None:
+            logger.info("generation cancelled during prefill")
+        else:
+            logger.info("generation cancelled after %d tokens", seq.reply.generated)
+        self._retire(served, seq, state)
+
+    def _plan_sharing(
+        self, served: ServedModel | None, request: GenerationRequest, later: list
+    ) -> tuple[tuple[int, ...] | None, int]:
+        """A running sequence's prefix to wait for, or else the length of the
+        prefix this request shares with those that arrived after it (0: none)."""
+        if (
+            served is None
+            or request.load_id != served.store.load_id
+            or not served.info.options.prefix_sharing
+            or not served.decoder.capabilities.prefix_snapshots
+        ):
+            return None, 0
+        prompt = request.prompt
+        cached = served.store.cached_length(prompt)
+        shared = {p: common_length(p, prompt) for p in self._pending}
+        # The shortest of the longest matches: its prefill ends first.
+        best = max(shared, key=lambda p: (shared[p], -len(p)), default=None)
+        if best is not None:
+            saved = shared[best] - cached
+            # Waiting past the shared part (another prompt's own suffix) is worth
+            # at most a quarter of the prefill it saves.
+            if (
+                saved >= SHARED_PREFIX_MIN_TOKENS
+                and len(best) - shared[best] <= saved // 4
+            ):
+                return best, 0
+        lead = max((common_length(prompt, m.request.prompt) for m in later), default=0)
+        lead = min(lead, len(prompt) - 1)
+        return None, lead if lead - cached >= SHARED_PREFIX_MIN_TOKENS else 0
+
+    def _share(self, served: ServedModel, snapshot: KVState) -> None:
+        """A prompt prefix was prefilled: its KV state serves the requests that
+        waited for it, and later ones."""
+        prefix = tuple(snapshot.tokens)
+        followers = self._pending.pop(prefix, [])
+        served.store.keep(snapshot.cache, prefix, max(1, len(followers)))
+        if followers:
+            logger.info(
+                "a %d-token prefix was prefilled once for %d more requests",
+                len(prefix),
+                len(followers),
+            )
+        self.waiting[:0] = followers
+
+    def _admit(
+        self,
+        served: ServedModel | None,
+        group,
+        request: GenerationRequest,
+        stream: RequestStream,
+        lead: int,
+    ) -> None:
+        if served is None:
+            stream.put(FailedPrecondition("no model is loaded: call LoadModel first"))
+            return
+        if request.load_id != served.store.load_id:
+            stream.put(Aborted("the model was replaced while the request was queued"))
+            return
+        if group.broken:
+            stream.put(Unavailable(group.broken))
+            return
+        try:
+            seq = self._start(served, request, stream, lead)
+        except Exception as e:
+            logger.exception("could not start a generation")
+            stream.put(e)
+            return
+        self.running[seq.key] = seq
+        logger.info(
+            "prompt: %d tokens, %d from the prompt cache",
+            len(request.prompt),
+            seq.reused,
+        )
+
+    def _start(
+        self,
+        served: ServedModel,
+        request: GenerationRequest,
+        stream: RequestStream,
+        lead: int,
+    ) -> Running:
+        info, decoder = served.info, served.decoder
+        capabilities = decoder.capabilities
+        if request.logprobs is not None and not capabilities.logprobs:
+            raise FailedPrecondition(
+                "Logprobs: this model's decoder cannot report them"
+            )
+        if request.grammar is not None and not capabilities.grammar:
+            raise FailedPrecondition("Grammar: this model's decoder cannot apply one")
+        processors, grammar = make_request_processors(
+            request, info.tokenizer.eos_token_ids, info.vocab_size
+        )
+        reply = ReplyPipeline(
+            request, info.tokenizer, info.markers, info.token_bytes, grammar
+        )
+        if request.prompt_file is not None:
+            served.store.restore(request.prompt_file.path, request.prompt)
+        kv_cache, rest = served.store.fetch(request.prompt)
+        prompt = request.prompt
+        snapshots = []
+        if capabilities.prefix_snapshots and info.options.prefix_sharing:
+            # The shared prefix for those that arrived with it, and the prompt once
+            # prefilled, for those that come while it generates.
+            snapshots = [n for n in (lead,) if n > len(prompt) - len(rest)]
+            if len(rest) > SHARED_PREFIX_MIN_TOKENS:
+                snapshots = sorted({*snapshots, len(prompt) - 1})
+        # Only processors that depend on nothing but the tokens can run at
+        # proposed positions: grammars and extra hooks keep their own state.
+        draft_tokens = 0
+        if request.grammar is None and not request.processors:
+            draft_tokens = request.draft_tokens or info.options.num_draft_tokens
+        key = decoder.add(
+            NewSequence(
+                prompt=request.prompt,
+                rest=rest,
+                kv_cache=kv_cache,
+                sampler=make_request_sampler(request),
+                processors=processors,
+                max_tokens=request.max_tokens,
+                logprobs=request.logprobs,
+                history=request.sampling.repetition_context_size,
+                cancelled=lambda: stream.cancelled,
+                snapshots=tuple(snapshots),
+                draft_tokens=draft_tokens,
+            )
+        )
+        for n in snapshots:
+            self._pending.setdefault(prompt[:n], [])
+        self._prefixes[key] = [prompt[:n] for n in snapshots]
+        reused = len(request.prompt) - len(rest)
+        return Running(key, request, stream, reply, reused, self._free_slot())
+
+    def _free_slot(self) -> int:
+        """The lowest slot number no running sequence holds (as llama.cpp numbers them)."""
+        taken = {seq.slot for seq in self.running.values()}
+        return next(slot for slot in range(len(taken) + 1) if slot not in taken)
+
+    def _retire(
+        self, served: ServedModel, seq: Running, state: KVState | None = None
+    ) -> None:
+        """Drop a sequence; its KV state goes to the prompt store."""
+        kept = served.decoder.remove(seq.key)
+        state = state or kept
+        del self.running[seq.key]
+        for prefix in self._prefixes.pop(seq.key, ()):
+            # Prefill ended early: whoever waited for it starts on its own.
+            self.waiting[:0] = self._pending.pop(prefix, [])
+        if state is not None:
+            served.store.keep(state.cache, state.tokens)
+            file = seq.request.prompt_file
+            if file is not None and not file.read_only:
+                tokens = state.tokens if file.everything else seq.request.prompt
+                served.store.write(file.path, state.cache, tokens)
+        final = seq.reply.finished
+        if final is not None:
+            self.last_request = make_request_metrics(
+                final,
+                prefilled=len(seq.request.prompt) - seq.reused,
+                slot=seq.slot,
+                proposed=seq.proposed,
+                accepted=seq.accepted,
+            )
