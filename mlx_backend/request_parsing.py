@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_backend.caches.prompt_files import confine
-from mlx_backend.engine.jobs import EmbeddingRequest, ScoreRequest
 from mlx_backend.errors import FailedPrecondition, InvalidArgument
 from mlx_backend.grammar import CompiledGrammar
 from mlx_backend.models.loading import DEFAULT_MODEL_REF, LoadPlan, ModelInfo
@@ -76,6 +75,23 @@ class GenerationRequest:
     # The load the prompt was tokenized for; a request for a replaced model is refused.
     load_id: int = 0
     prompt_file: PromptFile | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """One parsed Embedding request: the tokens to embed."""
+
+    tokens: tuple[int, ...]
+    load_id: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One parsed Score request: candidates to score after a prompt."""
+
+    prompt: tuple[int, ...]
+    candidates: tuple[tuple[int, ...], ...]
+    load_id: int = 0
 
 
 def _pick(requested, default, fallback):

@@ -1,5 +1,6 @@
-"""pytest's hooks and shared fixtures. The helpers they use, which bench/ uses too,
-are in ``tests/support.py``.
+"""pytest's hooks and shared fixtures. The helpers they use are in
+``tests/support.py`` (the backend process, which bench/ uses too) and
+``tests/chat_models.py``.
 
 Each test lives in the folder of its kind, which marks it: ``tests/unit`` (fakes,
 pure functions and tiny models), ``tests/engine`` (an in-process engine on the
@@ -20,7 +21,8 @@ from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
-from tests.support import Server, make_chat_folders, start_default_server
+from tests.chat_models import make_chat_folders
+from tests.support import Server, start_default_server
 
 KINDS = ("unit", "engine", "e2e")
 TESTS = Path(__file__).resolve().parent
@@ -99,6 +101,12 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     weights with reasoning and tool-call markers. The parser's tests and the
     structured-output server's share them."""
     return make_chat_folders(tmp_path_factory.mktemp("chat-models"))
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(folders):
+    """The ``json`` chat model's tokenizer."""
+    return load_tokenizer(folders["json"])
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ from mlx_backend.distributed.lockstep import (
 )
 from mlx_backend.engine.jobs import JobQueue
 from mlx_backend.engine.loader import ServedModel, prepare, resolve
+from mlx_backend.engine.prompt_store import PromptCounts
 from mlx_backend.errors import Aborted
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Follower:
             case Unload():
                 self._unload()
             case Add():
-                self._add(op)
+                self._add(served, op)
             case Remove(key, keep_state):
                 state = served.decoder.remove(key, keep_state)
                 if state is not None:
@@ -107,15 +108,15 @@ class Follower:
             case Ping():
                 pass
 
-    def _add(self, op: Add) -> None:
-        kv_cache, rest = self._served.store.fetch(op.prompt)
+    def _add(self, served: ServedModel, op: Add) -> None:
+        kv_cache, rest = served.store.fetch(op.prompt)
         reused = len(op.prompt) - len(rest)
         if reused != op.reused:
             raise RuntimeError(
                 f"out of step: the prompt cache served {reused} tokens here and "
                 f"{op.reused} on rank 0"
             )
-        key = self._served.decoder.add(
+        key = served.decoder.add(
             NewSequence(
                 prompt=op.prompt,
                 rest=rest,
@@ -136,7 +137,11 @@ class Follower:
         started = time.perf_counter()
         try:
             resolved = resolve(op.plan, self._lockstep, op.mode)
-            served = prepare(resolved, op.load_id, op.max_cache_bytes, self._lockstep)
+            # The worker's counts go unread: Status is rank 0's.
+            counts = PromptCounts()
+            served = prepare(
+                resolved, op.load_id, op.max_cache_bytes, counts, self._lockstep
+            )
         except Exception as e:
             logger.exception("loading %r failed", op.plan.model)
             error = e

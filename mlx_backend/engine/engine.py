@@ -19,8 +19,8 @@ import mlx.core as mx
 
 from mlx_backend.decoders.base import thread_stream
 from mlx_backend.distributed.leader import LeaderJobs, Solo, join_leader
-from mlx_backend.engine.jobs import EmbeddingRequest, JobQueue, ScoreRequest
-from mlx_backend.engine.loader import Loader, ServedModel, resolve
+from mlx_backend.engine.jobs import JobQueue
+from mlx_backend.engine.loader import Loader, ServedModel, check_plan, resolve
 from mlx_backend.engine.loop import (
     Call,
     Compute,
@@ -34,7 +34,11 @@ from mlx_backend.engine.scheduler import Scheduler
 from mlx_backend.engine.stats import EngineStats, RequestMetrics, Stats
 from mlx_backend.errors import Aborted, FailedPrecondition, Unavailable
 from mlx_backend.models.loading import LoadPlan, ModelInfo
-from mlx_backend.request_parsing import GenerationRequest
+from mlx_backend.request_parsing import (
+    EmbeddingRequest,
+    GenerationRequest,
+    ScoreRequest,
+)
 from mlx_utils import release_memory
 from python_utils import LoadOptions
 
@@ -75,7 +79,7 @@ class Engine(Turns):
     @property
     def last_metrics(self) -> RequestMetrics:
         """What GetMetrics reports of the most recently finished request."""
-        return self._scheduler.last_request
+        return self._scheduler.last_metrics
 
     def submit(self, request: GenerationRequest, loop) -> RequestStream:
         self._check_open()
@@ -139,13 +143,13 @@ class Engine(Turns):
 
     def step(self) -> None:
         served, scheduler = self.served, self._scheduler
-        running = bool(scheduler.running)
+        had_sequences = bool(scheduler.running)
         with self._group.watching():
             # Cancelled rows retire first, so that their KV state serves new requests.
-            if scheduler.schedule(served, self._group):
+            if scheduler.schedule(served, self._group.broken):
                 self._publish()
             if scheduler.running:
-                running = True
+                had_sequences = True
                 scheduler.update(served, served.decoder.step())
             if self._jobs:
                 # On the decode steps' stream: one BLAS thread team, and one order
@@ -153,15 +157,16 @@ class Engine(Turns):
                 with mx.stream(thread_stream()):
                     self._jobs.step(served, self._publish)
         # Status shows the engine idle as soon as its last sequence retires.
-        if self._stats.count_step() or (running and not scheduler.running):
+        if self._stats.count_step() or (had_sequences and not scheduler.running):
             self._publish()
 
-    def idle(self, timed_out: bool) -> None:
-        if timed_out:
-            self._group.heartbeat()
-            self._publish()
-        elif self.served is not None:
+    def idle(self) -> None:
+        if self.served is not None:
             self.served.store.sync()
+
+    def heartbeat(self) -> None:
+        self._group.heartbeat()
+        self._publish()
 
     def fail(self, reason: str) -> None:
         self._abort_all(reason)
@@ -180,7 +185,7 @@ class Engine(Turns):
             future.set_exception(
                 FailedPrecondition("no model is loaded: call LoadModel first")
             )
-        elif request.load_id != self.served.store.load_id:
+        elif request.load_id != self.served.info.load_id:
             future.set_exception(
                 Aborted("the model was replaced while the request was queued")
             )
@@ -227,6 +232,7 @@ class Engine(Turns):
         self._stats.state = "loading"
         self._publish()
         try:
+            check_plan(plan)
             self._join(plan.options)
             # Resolved and checked beside the running model, which a failure keeps.
             resolved = resolve(plan, self._group.lockstep)

@@ -11,6 +11,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_backend.models.loading import hidden_state_model
+from mlx_backend.request_parsing import EmbeddingRequest, ScoreRequest
+
 logger = logging.getLogger(__name__)
 
 
@@ -113,12 +116,6 @@ def score_continuations(
     return [row[: len(c)] for row, c in zip(values, continuations)]
 
 
-def hidden_state_model(model: nn.Module) -> nn.Module | None:
-    """The model without its output layer: it maps tokens to final hidden states."""
-    inner = getattr(model, "model", None)
-    return inner if isinstance(inner, nn.Module) else None
-
-
 class EmbeddingBatch:
     """Pooled final hidden states of several token lists, one chunk per ``advance``.
 
@@ -171,19 +168,6 @@ class EmbeddingBatch:
             pooled = pooled / self._lengths[:, None].astype(mx.float32)
         norms = mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
         return (pooled / norms).tolist()
-
-
-@dataclass(frozen=True)
-class EmbeddingRequest:
-    tokens: tuple[int, ...]
-    load_id: int = 0
-
-
-@dataclass(frozen=True)
-class ScoreRequest:
-    prompt: tuple[int, ...]
-    candidates: tuple[tuple[int, ...], ...]
-    load_id: int = 0
 
 
 @dataclass

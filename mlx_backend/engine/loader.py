@@ -66,14 +66,18 @@ class Resolved:
     total_layers: int = 0
 
 
+def check_plan(plan: LoadPlan) -> None:
+    """What a plan can't ask for, whatever it loads."""
+    if plan.options.speculative == "draft" and not plan.draft:
+        raise InvalidArgument("Options: speculative:draft needs a DraftModel")
+
+
 def resolve(
-    plan: LoadPlan, lockstep: Lockstep | None = None, mode: str = ""
+    plan: LoadPlan, lockstep: Lockstep | None = None, mode: str | None = None
 ) -> Resolved:
     """Read and check ``plan``'s model (and its draft model); over a group, split
-    it by ``mode``, which rank 0 chooses ("") and sends the workers."""
+    it by ``mode``, which rank 0 chooses (None) and sends the workers."""
     options = plan.options
-    if options.speculative == "draft" and not plan.draft:
-        raise InvalidArgument("Options: speculative:draft needs a DraftModel")
     if lockstep is not None:
         check_group_plan(plan)
     loaded = load_model(
@@ -114,8 +118,8 @@ def prepare(
     resolved: Resolved,
     load_id: int,
     max_cache_bytes: int,
+    counts: PromptCounts,
     lockstep: Lockstep | None = None,
-    counts: PromptCounts | None = None,
     notes: tuple[str, ...] = (),
 ) -> ServedModel:
     """Load ``resolved``'s weights and build what serving them needs.
@@ -124,8 +128,8 @@ def prepare(
         resolved: What ``resolve`` returned.
         load_id: The number of this load, which requests and cache entries carry.
         max_cache_bytes: The prompt cache's byte budget (rank 0's, on every rank).
-        lockstep: The group's channel, when serving over one.
         counts: Where the prompt store counts what its fetches served.
+        lockstep: The group's channel, when serving over one.
         notes: More of the compute path's description (the BLAS threads).
     """
     plan = resolved.plan
@@ -163,8 +167,8 @@ def prepare(
         make_prompt_cache(options, max_cache_bytes, lockstep, resolved.total_layers),
         load_id,
         partial(make_kv_cache, model, options),
-        files,
         counts,
+        files,
     )
     store.load_folder(options.max_cache_entries)
     return ServedModel(model, info, decoder, store)
@@ -190,39 +194,36 @@ class Loader:
     and over a group the ``Load`` op and every rank's agreement."""
 
     def __init__(self, counts: PromptCounts):
-        self.loads = 0
+        # The id of the latest load: loads count from 1.
+        self.load_id = 0
         self._counts = counts
 
     def load(self, resolved: Resolved, lockstep: Lockstep | None) -> ServedModel:
         """Prepare ``resolved`` as the next load, the previous model unloaded."""
-        self.loads += 1
+        self.load_id += 1
         options = resolved.plan.options
         max_bytes = prompt_cache_bytes(options)
         threads = apply_blas_threads(options.threads, lockstep is not None)
-        if lockstep is None:
-            return prepare(
-                resolved,
-                self.loads,
-                max_bytes,
-                counts=self._counts,
-                notes=(threads,) if threads else (),
-            )
-        lockstep.stall_seconds = options.distributed_step_timeout
-        mode = resolved.sharding.mode
-        lockstep.record(Load(resolved.plan, self.loads, mode, max_bytes))
-        lockstep.flush()
+        if lockstep is not None:
+            lockstep.stall_seconds = options.distributed_step_timeout
+            mode = resolved.sharding.mode
+            lockstep.record(Load(resolved.plan, self.load_id, mode, max_bytes))
+            lockstep.flush()
         served, error = None, None
         try:
             served = prepare(
                 resolved,
-                self.loads,
+                self.load_id,
                 max_bytes,
-                lockstep,
                 self._counts,
+                lockstep,
                 notes=(threads,) if threads else (),
             )
         except Exception as e:
+            if lockstep is None:
+                raise
             error = e
-        # Every rank's outcome, which all ranks must share.
-        lockstep.agree(error)
+        if lockstep is not None:
+            # Every rank's outcome, which all ranks must share.
+            lockstep.agree(error)
         return served

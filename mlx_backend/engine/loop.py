@@ -16,10 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from mlx_backend.engine.jobs import EmbeddingRequest, ScoreRequest
 from mlx_backend.errors import Aborted
 from mlx_backend.output.reply_pipeline import Finished, Output
-from mlx_backend.request_parsing import GenerationRequest
+from mlx_backend.request_parsing import (
+    EmbeddingRequest,
+    GenerationRequest,
+    ScoreRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +147,12 @@ class Turns(ABC):
         """One engine step."""
 
     @abstractmethod
-    def idle(self, timed_out: bool) -> None:
-        """Nothing to do: before the loop blocks, and after each idle wait that
-        timed out (``idle_timeout``)."""
+    def idle(self) -> None:
+        """Nothing to do: the loop is about to block for a message."""
+
+    @abstractmethod
+    def heartbeat(self) -> None:
+        """An idle wait of ``idle_timeout`` seconds passed without a message."""
 
     @abstractmethod
     def fail(self, reason: str) -> None:
@@ -156,7 +162,7 @@ class Turns(ABC):
     def close(self) -> None:
         """The loop is ending: end every request and release the model's work."""
 
-    # Seconds an idle loop blocks before ``idle(timed_out=True)``; None: for ever.
+    # Seconds an idle loop blocks before ``heartbeat``; None: for ever.
     idle_timeout: float | None = None
 
 
@@ -199,7 +205,7 @@ class Loop:
             busy = turns.busy()
             if not busy:
                 self.outbox.flush()  # before waiting for work
-                turns.idle(timed_out=False)
+                turns.idle()
             block, timeout = not busy, turns.idle_timeout
             if burst_ends is not None:
                 # The rest of a burst: each may come within the gap of the last.
@@ -210,7 +216,7 @@ class Loop:
             except queue.Empty:
                 if busy:
                     return True
-                turns.idle(timed_out=True)
+                turns.heartbeat()
                 continue
             if isinstance(message, Stop):
                 return False

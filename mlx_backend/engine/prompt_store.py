@@ -48,8 +48,8 @@ class PromptStore:
         cache: The prompt cache.
         load_id: The load whose KV states it holds (the cache's model key).
         make_cache: A fresh KV cache for the model, for a miss.
-        files: Its files on disk; None over a distributed group, which uses none.
         counts: Where fetches count the tokens they served and left to prefill.
+        files: Its files on disk; None over a distributed group, which uses none.
     """
 
     def __init__(
@@ -57,33 +57,33 @@ class PromptStore:
         cache: ThreadSafeLRUPromptCache,
         load_id: int,
         make_cache: Callable[[], list],
+        counts: PromptCounts,
         files: PromptFiles | None = None,
-        counts: PromptCounts | None = None,
     ):
         self.cache = cache
-        self.load_id = load_id
+        self._load_id = load_id
         self._make_cache = make_cache
+        self._counts = counts
         self.files = files
-        self.counts = counts or PromptCounts()
         # Whether the cache changed since prompt_cache_dir was last written.
         self._changed = False
 
     def fetch(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
         """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
-        kv_cache, rest = self.cache.fetch_for_prompt(self.load_id, prompt)
+        kv_cache, rest = self.cache.fetch_for_prompt(self._load_id, prompt)
         if kv_cache is None:
             kv_cache = self._make_cache()
-        self.counts.reused += len(prompt) - len(rest)
-        self.counts.prefilled += len(rest)
+        self._counts.reused += len(prompt) - len(rest)
+        self._counts.prefilled += len(rest)
         return kv_cache, tuple(rest)
 
     def keep(self, kv_cache: list, tokens, holders: int = 1) -> None:
         """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
-        self.cache.insert_state(self.load_id, tokens, kv_cache, holders)
+        self.cache.insert_state(self._load_id, tokens, kv_cache, holders)
         self._changed = True
 
     def cached_length(self, prompt: tuple[int, ...]) -> int:
-        return self.cache.cached_length(self.load_id, prompt)
+        return self.cache.cached_length(self._load_id, prompt)
 
     def restore(self, path: Path, prompt: tuple[int, ...]) -> None:
         """A PromptCachePath file's KV state joins the prompt cache when it serves
@@ -127,7 +127,7 @@ class PromptStore:
         if self.files is None or not self._changed:
             return
         self._changed = False
-        self.files.sync_folder(self.cache.entries(self.load_id))
+        self.files.sync_folder(self.cache.entries(self._load_id))
 
     def close(self) -> None:
         """The model is unloaded: write what is due, then drop every entry."""

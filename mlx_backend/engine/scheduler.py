@@ -51,8 +51,7 @@ class Running:
 
 class Scheduler:
     """Waiting and running requests. Every method runs on the engine thread and
-    takes the model being served (None when there is none) and its group, whose
-    ``broken`` says why it can't serve."""
+    takes the model being served (None when there is none)."""
 
     def __init__(self):
         self.running: dict[int, Running] = {}
@@ -62,14 +61,15 @@ class Scheduler:
         # waiting to start from their KV state; and each sequence's prefixes.
         self._pending: dict[tuple[int, ...], list[Submit]] = {}
         self._prefixes: dict[int, list[tuple[int, ...]]] = {}
-        self.last_request = RequestMetrics()
+        self.last_metrics = RequestMetrics()
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self, served: ServedModel | None, group) -> bool:
+    def schedule(self, served: ServedModel | None, unavailable: str | None) -> bool:
         """Retire the cancelled, then start the waiting requests, except those that
-        can wait for a prefix another sequence is prefilling; whether any waited."""
+        can wait for a prefix another sequence is prefilling; whether any waited.
+        ``unavailable`` says why the distributed group can't serve, if it can't."""
         self._sweep(served)
         waiting, self.waiting = self.waiting, []
         for i, message in enumerate(waiting):
@@ -79,7 +79,7 @@ class Scheduler:
             if prefix is not None:
                 self._pending[prefix].append(message)
                 continue
-            self._admit(served, group, message.request, message.stream, lead)
+            self._admit(served, unavailable, message.request, message.stream, lead)
         return bool(waiting)
 
     def update(self, served: ServedModel, results: list[StepResult]) -> None:
@@ -168,7 +168,7 @@ class Scheduler:
         prefix this request shares with those that arrived after it (0: none)."""
         if (
             served is None
-            or request.load_id != served.store.load_id
+            or request.load_id != served.info.load_id
             or not served.info.options.prefix_sharing
             or not served.decoder.capabilities.prefix_snapshots
         ):
@@ -208,7 +208,7 @@ class Scheduler:
     def _admit(
         self,
         served: ServedModel | None,
-        group,
+        unavailable: str | None,
         request: GenerationRequest,
         stream: RequestStream,
         lead: int,
@@ -216,11 +216,11 @@ class Scheduler:
         if served is None:
             stream.put(FailedPrecondition("no model is loaded: call LoadModel first"))
             return
-        if request.load_id != served.store.load_id:
+        if request.load_id != served.info.load_id:
             stream.put(Aborted("the model was replaced while the request was queued"))
             return
-        if group.broken:
-            stream.put(Unavailable(group.broken))
+        if unavailable:
+            stream.put(Unavailable(unavailable))
             return
         try:
             seq = self._start(served, request, stream, lead)
@@ -316,7 +316,7 @@ class Scheduler:
                 served.store.write(file.path, state.cache, tokens)
         final = seq.reply.finished
         if final is not None:
-            self.last_request = make_request_metrics(
+            self.last_metrics = make_request_metrics(
                 final,
                 prefilled=len(seq.request.prompt) - seq.reused,
                 slot=seq.slot,

@@ -15,7 +15,6 @@ from mlx_lm.utils import load as load_mlx_folder
 
 from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.distributed.sharding import Sharding
-from mlx_backend.engine.jobs import hidden_state_model
 from mlx_backend.grammar import GrammarCompiler
 from mlx_backend.models.gguf import load_gguf
 from mlx_backend.models.lora import Adapter, apply_adapters
@@ -220,6 +219,12 @@ def load_draft(
     )
     logger.info("draft model: %s", draft.source)
     return model
+
+
+def hidden_state_model(model: nn.Module) -> nn.Module | None:
+    """The model without its output layer: it maps tokens to final hidden states."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) else None
 
 
 def _load_path_or_repo(ref: str, trust_remote_code: bool):

@@ -15,13 +15,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
-from tests.support import (
-    CALL_LYON,
-    REPLY,
-    THOUGHT,
-    Server,
-    run_concurrently,
-)
+from tests.chat_models import CALL_LYON, REPLY, THOUGHT
+from tests.support import Server, run_concurrently
 
 WEATHER_TOOL = {
     "type": "function",
@@ -92,10 +87,10 @@ EXPECTED_REPLY = (
 )
 
 
-def test_predict_returns_one_classified_delta(server, folders, tokenizer):
+def test_predict_returns_one_classified_delta(server, folders, chat_tokenizer):
     load(server, folders, "json")
-    tokens = tokenizer.encode(REPLY)
-    reply = server.stub.Predict(weather_chat(tokenizer, tokens))
+    tokens = chat_tokenizer.encode(REPLY)
+    reply = server.stub.Predict(weather_chat(chat_tokenizer, tokens))
     assert reply.message.decode() == "Let me check both cities.\n"
     assert len(reply.chat_deltas) == 1
     assert summary(reply.chat_deltas) == EXPECTED_REPLY
@@ -108,10 +103,10 @@ def test_predict_returns_one_classified_delta(server, folders, tokenizer):
     assert reply.tokens == len(tokens)
 
 
-def test_stream_carries_each_tokens_deltas(server, folders, tokenizer):
+def test_stream_carries_each_tokens_deltas(server, folders, chat_tokenizer):
     load(server, folders, "json")
     text = f"<think>\nSunny?\n</think>\n\nHi!<tool_call>\n{CALL_LYON}\n</tool_call>"
-    replies = list(server.stub.PredictStream(weather_chat(tokenizer, text)))
+    replies = list(server.stub.PredictStream(weather_chat(chat_tokenizer, text)))
     seen = [
         (r.message.decode(), summary(r.chat_deltas))
         for r in replies
@@ -126,19 +121,19 @@ def test_stream_carries_each_tokens_deltas(server, folders, tokenizer):
         ("!", ("!", "", ())),
         ("", ("", "", ((0, "get_weather", {"city": "Lyon"}),))),
     ]
-    assert replies[-1].tokens == len(tokenizer.encode(text))
+    assert replies[-1].tokens == len(chat_tokenizer.encode(text))
     assert replies[-1].prompt_tokens > 0
 
 
-def test_any_split_streams_what_predict_returns(server, folders, tokenizer):
+def test_any_split_streams_what_predict_returns(server, folders, chat_tokenizer):
     load(server, folders, "json")
     rng = random.Random(5)
     requests = []
     for _ in range(3):
         cuts = sorted(rng.sample(range(1, len(REPLY)), 12))
         pieces = [REPLY[a:b] for a, b in zip([0] + cuts, cuts + [len(REPLY)])]
-        tokens = [t for p in pieces for t in tokenizer.encode(p)]
-        requests.append(weather_chat(tokenizer, tokens))
+        tokens = [t for p in pieces for t in chat_tokenizer.encode(p)]
+        requests.append(weather_chat(chat_tokenizer, tokens))
     # All six in one batch: classification is per request.
     results = run_concurrently(
         [lambda r=r: list(server.stub.PredictStream(r)) for r in requests]
@@ -152,16 +147,18 @@ def test_any_split_streams_what_predict_returns(server, folders, tokenizer):
 
 
 def test_a_prompt_that_opens_thinking_streams_reasoning_first(
-    server, folders, tokenizer
+    server, folders, chat_tokenizer
 ):
     load(server, folders, "open")
-    request = weather_chat(tokenizer, f"{THOUGHT}\n</think>\n\nIt is sunny.")
+    request = weather_chat(chat_tokenizer, f"{THOUGHT}\n</think>\n\nIt is sunny.")
     prompt = server.stub.TokenizeString(request).tokens
-    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
+    assert chat_tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
     reply = server.stub.Predict(request)
     assert summary(reply.chat_deltas) == ("It is sunny.", THOUGHT + "\n", ())
     # With thinking off the template closes it, and the reply is content.
-    off = weather_chat(tokenizer, "It is sunny.", Metadata={"enable_thinking": "false"})
+    off = weather_chat(
+        chat_tokenizer, "It is sunny.", Metadata={"enable_thinking": "false"}
+    )
     assert summary(server.stub.Predict(off).chat_deltas) == ("It is sunny.", "", ())
 
 
@@ -181,48 +178,52 @@ def test_qwen3_coder_tool_calls(server, folders):
     )
 
 
-def test_a_bad_tool_call_is_content_and_logged(server, folders, tokenizer):
+def test_a_bad_tool_call_is_content_and_logged(server, folders, chat_tokenizer):
     load(server, folders, "json")
     raw = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
-    reply = server.stub.Predict(weather_chat(tokenizer, "Hm. " + raw))
+    reply = server.stub.Predict(weather_chat(chat_tokenizer, "Hm. " + raw))
     assert summary(reply.chat_deltas) == ("Hm. " + raw, "", ())
     assert reply.message.decode() == "Hm. " + raw
     assert "could not parse a" in server.logs()
 
 
-def test_tool_choice_none_offers_no_tools_and_parses_none(server, folders, tokenizer):
+def test_tool_choice_none_offers_no_tools_and_parses_none(
+    server, folders, chat_tokenizer
+):
     load(server, folders, "json")
     text = f"<tool_call>{CALL_LYON}</tool_call>"
-    offered = weather_chat(tokenizer, text)
-    declined = weather_chat(tokenizer, text, ToolChoice='"none"')
-    assert "get_weather" in tokenizer.decode(server.stub.TokenizeString(offered).tokens)
-    assert "get_weather" not in tokenizer.decode(
+    offered = weather_chat(chat_tokenizer, text)
+    declined = weather_chat(chat_tokenizer, text, ToolChoice='"none"')
+    assert "get_weather" in chat_tokenizer.decode(
+        server.stub.TokenizeString(offered).tokens
+    )
+    assert "get_weather" not in chat_tokenizer.decode(
         server.stub.TokenizeString(declined).tokens
     )
     assert summary(server.stub.Predict(declined).chat_deltas) == (text, "", ())
-    auto = weather_chat(tokenizer, text, ToolChoice='"auto"')
+    auto = weather_chat(chat_tokenizer, text, ToolChoice='"auto"')
     assert summary(server.stub.Predict(auto).chat_deltas)[2] == (
         (0, "get_weather", {"city": "Lyon"}),
     )
 
 
-def test_stop_strings_and_eos_end_classified_text(server, folders, tokenizer):
+def test_stop_strings_and_eos_end_classified_text(server, folders, chat_tokenizer):
     load(server, folders, "json")
     stopped = server.stub.Predict(
-        weather_chat(tokenizer, REPLY, StopPrompts=["cities"])
+        weather_chat(chat_tokenizer, REPLY, StopPrompts=["cities"])
     )
     assert summary(stopped.chat_deltas) == ("Let me check both ", THOUGHT + "\n", ())
     # The forced script ends with EOS: nothing follows the second call.
     assert server.stub.Predict(
-        weather_chat(tokenizer, REPLY, Tokens=500)
-    ).tokens == len(tokenizer.encode(REPLY))
+        weather_chat(chat_tokenizer, REPLY, Tokens=500)
+    ).tokens == len(chat_tokenizer.encode(REPLY))
 
 
-def test_a_raw_prompt_keeps_its_raw_text(server, folders, tokenizer):
+def test_a_raw_prompt_keeps_its_raw_text(server, folders, chat_tokenizer):
     load(server, folders, "json")
     request = pb.PredictOptions(
         Prompt="Weather?",
-        Metadata={"forced_tokens": json.dumps(tokenizer.encode(REPLY))},
+        Metadata={"forced_tokens": json.dumps(chat_tokenizer.encode(REPLY))},
     )
     reply = server.stub.Predict(request)
     assert reply.message.decode() == REPLY
@@ -242,13 +243,15 @@ def forced_prompt(tokenizer, prompt: str, reply: str, **fields) -> pb.PredictOpt
     )
 
 
-def test_a_raw_prompt_with_tools_is_classified(server, folders, tokenizer):
+def test_a_raw_prompt_with_tools_is_classified(server, folders, chat_tokenizer):
     load(server, folders, "json")
     tools = json.dumps([WEATHER_TOOL])
-    request = forced_prompt(tokenizer, RENDERED, REPLY, Tools=tools)
+    request = forced_prompt(chat_tokenizer, RENDERED, REPLY, Tools=tools)
     # ToolChoice none parses no calls: the markup stays text, the reasoning does not.
     text = f"<think>Hmm.</think><tool_call>\n{CALL_LYON}\n</tool_call>"
-    unparsed = forced_prompt(tokenizer, RENDERED, text, Tools=tools, ToolChoice="none")
+    unparsed = forced_prompt(
+        chat_tokenizer, RENDERED, text, Tools=tools, ToolChoice="none"
+    )
     reply, replies, plain = run_concurrently(
         [
             lambda: server.stub.Predict(request),
@@ -268,26 +271,26 @@ def test_a_raw_prompt_with_tools_is_classified(server, folders, tokenizer):
 
 
 def test_a_raw_prompt_that_ends_inside_thinking_is_classified(
-    server, folders, tokenizer
+    server, folders, chat_tokenizer
 ):
     load(server, folders, "json")
     opened = RENDERED + "<think>\n"
     reply = server.stub.Predict(
-        forced_prompt(tokenizer, opened, f"{THOUGHT}\n</think>\n\nSunny.")
+        forced_prompt(chat_tokenizer, opened, f"{THOUGHT}\n</think>\n\nSunny.")
     )
     assert summary(reply.chat_deltas) == ("Sunny.", THOUGHT + "\n", ())
     assert reply.message.decode() == "Sunny."
     # After a closed think block, a completion without Tools stays raw text.
     closed = opened + "Hmm.\n</think>\n\n"
     text = "Sunny.<tool_call>"
-    reply = server.stub.Predict(forced_prompt(tokenizer, closed, text))
+    reply = server.stub.Predict(forced_prompt(chat_tokenizer, closed, text))
     assert summary(reply.chat_deltas) == (text, "", ())
 
 
 LYON_CALL = {"name": "get_weather", "arguments": '{"city": "Lyon"}'}
 
 
-def test_tool_call_history_renders(server, folders, tokenizer):
+def test_tool_call_history_renders(server, folders, chat_tokenizer):
     load(server, folders, "json")
     history = [
         pb.Message(role="user", content="Weather in Lyon?"),
@@ -300,7 +303,7 @@ def test_tool_call_history_renders(server, folders, tokenizer):
         pb.Message(role="tool", content="sunny", tool_call_id="call_7"),
     ]
     request = pb.PredictOptions(UseTokenizerTemplate=True, Messages=history)
-    rendered = tokenizer.decode(server.stub.TokenizeString(request).tokens)
+    rendered = chat_tokenizer.decode(server.stub.TokenizeString(request).tokens)
     assert rendered == (
         "<|im_start|>user\nWeather in Lyon?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n"

@@ -30,10 +30,10 @@ from tests.support import (
     chat,
     entries_of,
     error_of,
-    make_tiny_draft,
     run_concurrently,
     write_hostfile,
 )
+from tests.tiny_models import make_tiny_draft
 
 PROMPTS = [
     "The capital of France is",

@@ -12,7 +12,9 @@ from mlx_backend.engine.engine import Engine
 from mlx_backend.models.loading import LoadPlan
 from mlx_backend.models.lora import Adapter, AdapterError
 from python_utils import parse_options
-from tests.support import ANSWER, generation, load_engine, run, text_of, write_adapter
+from tests.engine_helpers import generation, load_engine, run, text_of
+from tests.support import ANSWER
+from tests.tiny_models import write_adapter
 
 
 def smollm_adapter(folder: Path, seed: int, layers: int = 6) -> Path:

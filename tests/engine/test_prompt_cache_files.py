@@ -16,14 +16,8 @@ from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.loading import LoadPlan
 from mlx_backend.request_parsing import parse_generation
 from python_utils import parse_options
-from tests.support import (
-    QUESTION,
-    QUESTIONS,
-    on_engine_thread,
-    run,
-    stats_after,
-    text_of,
-)
+from tests.engine_helpers import on_engine_thread, run, stats_after, text_of
+from tests.support import QUESTION, QUESTIONS
 
 SYSTEM = " ".join(
     f"Rule {i}: answer briefly, politely and in plain English." for i in range(30)

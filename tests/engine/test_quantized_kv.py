@@ -16,9 +16,7 @@ from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.loading import LoadPlan
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
-from tests.support import (
-    ANSWER,
-    QUESTIONS,
+from tests.engine_helpers import (
     chat_prompt,
     drive,
     generation,
@@ -28,6 +26,7 @@ from tests.support import (
     stats_after,
     text_of,
 )
+from tests.support import ANSWER, QUESTIONS
 
 
 @pytest.fixture(scope="module")

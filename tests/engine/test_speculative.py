@@ -22,20 +22,19 @@ from mlx_backend.models.loading import LoadPlan, ModelLoadError, default_model_p
 from mlx_backend.output.reply_pipeline import Finished
 from mlx_backend.request_parsing import SamplingParams
 from python_utils import LoadOptions
-from tests.support import (
-    FLAT,
-    QUESTION,
+from tests.engine_helpers import (
     chat_prompt,
     collect,
     generation,
     load_engine,
-    make_tiny_draft,
     on_engine_thread,
     run,
     stats_after,
     text_of,
     wait_idle,
 )
+from tests.support import QUESTION
+from tests.tiny_models import FLAT, make_tiny_draft
 
 PARAGRAPH = (
     "The old lighthouse stood on the northern cliff for more than two hundred "

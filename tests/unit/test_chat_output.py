@@ -28,14 +28,7 @@ from mlx_backend.output.detokenizer import TokenBytes
 from mlx_backend.output.reply_pipeline import ReplyPipeline
 from mlx_backend.request_parsing import GenerationRequest
 from python_utils import parse_options
-from tests.support import CALL_LYON, CALL_PARIS, REPLY, THOUGHT
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(folders):
-    """The ``json`` chat model's tokenizer."""
-    return load_tokenizer(folders["json"])
-
+from tests.chat_models import CALL_LYON, CALL_PARIS, REPLY, THOUGHT
 
 # -- the parser, fed by the real tokenizer's streaming detokenizer -----------------
 

@@ -45,10 +45,12 @@ class Recorder(Turns):
     def step(self):
         self.calls.append("step")
 
-    def idle(self, timed_out):
-        self.calls.append(("idle", timed_out))
-        if timed_out:
-            self.loop.inbox.put(Stop())
+    def idle(self):
+        self.calls.append("idle")
+
+    def heartbeat(self):
+        self.calls.append("heartbeat")
+        self.loop.inbox.put(Stop())
 
     def fail(self, reason):
         self.calls.append(("fail", reason))
@@ -92,7 +94,7 @@ def test_a_request_joins_running_sequences_without_a_wait():
 def test_an_idle_loop_waits_its_timeout_then_stops_on_stop():
     loop, turns = make_loop(idle_timeout=0.01)
     assert not loop.take_messages()
-    assert turns.calls == [("idle", False), ("idle", True), ("idle", False)]
+    assert turns.calls == ["idle", "heartbeat", "idle"]
     assert turns.accepted == []
 
 
@@ -103,7 +105,7 @@ def test_run_answers_what_was_queued_behind_stop():
     loop.inbox.put(queued)
     loop.inbox.put(Call(lambda: None, (), future))
     loop.run()
-    assert turns.calls == [("idle", False), "close"]
+    assert turns.calls == ["idle", "close"]
     (event,) = queued.stream.events
     assert isinstance(event, Aborted) and str(event) == "the backend is shutting down"
     assert isinstance(future.exception(timeout=0), Aborted)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlx_utils import gather_logprobs
-from tests.support import log_softmax
+from tests.engine_helpers import log_softmax
 
 
 @pytest.fixture(scope="module")

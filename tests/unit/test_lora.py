@@ -22,7 +22,7 @@ from mlx_backend.models.lora import (
     apply_adapters,
     make_adapters,
 )
-from tests.support import tiny_model, write_adapter
+from tests.tiny_models import tiny_model, write_adapter
 
 TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11]])
 Q_PROJ = "model.layers.0.self_attn.q_proj"

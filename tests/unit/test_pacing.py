@@ -9,7 +9,7 @@ from mlx_lm.models import llama
 from mlx_backend.cpu.pacing import CPU_PACING_ENV, choose_pacing, pacing_setting
 from mlx_backend.decoders.measured import measured_once
 from mlx_backend.errors import FailedPrecondition
-from tests.support import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA
 
 
 def test_pacing_is_decided_by_the_measured_rounds_unless_the_option_says():

@@ -21,7 +21,7 @@ from mlx_backend.caches.prompt_files import (
 )
 from mlx_backend.errors import InvalidArgument
 from mlx_utils import model_signature
-from tests.support import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA
 
 FP = make_fingerprint("org/model", {"a": 0, "b": 1}, "kv_bits=8,group=32")
 OTHER_FP = make_fingerprint("org/model", {"a": 0, "b": 2}, "kv_bits=8,group=32")

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_backend.decoders.base import Capabilities, KVState, StepResult
-from mlx_backend.distributed.leader import Solo
 from mlx_backend.engine.loop import Submit
 from mlx_backend.engine.scheduler import Scheduler
 from mlx_backend.errors import (
@@ -51,8 +50,6 @@ class FakeDecoder:
 class FakeStore:
     """Serves all but the last two prompt tokens, and keeps what it is given."""
 
-    load_id = 7
-
     def __init__(self):
         self.kept = []
 
@@ -63,8 +60,7 @@ class FakeStore:
         self.kept.append((cache, tuple(tokens)))
 
 
-class Group:
-    broken = "the distributed group of 2 ranks is lost (test)"
+LOST = "the distributed group of 2 ranks is lost (test)"
 
 
 @pytest.fixture
@@ -73,6 +69,7 @@ def served(tokenizer):
         tokenizer=tokenizer,
         markers=OutputMarkers(),
         token_bytes=make_token_bytes(tokenizer),
+        load_id=7,
         vocab_size=len(tokenizer.vocab),
         options=LoadOptions(max_stream_backlog=4, prefix_sharing=False),
     )
@@ -91,19 +88,19 @@ def text_of(events) -> str:
 
 
 @pytest.mark.parametrize(
-    "load_id, group, error, message",
+    "load_id, unavailable, error, message",
     [
-        (7, Solo(), FailedPrecondition, "no model is loaded: call LoadModel first"),
-        (6, Solo(), Aborted, "the model was replaced while the request was queued"),
-        (7, Group(), Unavailable, Group.broken),
+        (7, None, FailedPrecondition, "no model is loaded: call LoadModel first"),
+        (6, None, Aborted, "the model was replaced while the request was queued"),
+        (7, LOST, Unavailable, LOST),
     ],
     ids=["no model", "replaced", "group lost"],
 )
-def test_refused_admissions(served, load_id, group, error, message):
+def test_refused_admissions(served, load_id, unavailable, error, message):
     scheduler = Scheduler()
     stream = waiting(scheduler, load_id)
     model = None if error is FailedPrecondition else served
-    assert scheduler.schedule(model, group)
+    assert scheduler.schedule(model, unavailable)
     (event,) = stream.events
     assert type(event) is error and str(event) == message
     assert not scheduler and served.decoder.added == []
@@ -112,7 +109,7 @@ def test_refused_admissions(served, load_id, group, error, message):
 def test_a_request_runs_from_the_prompt_store_to_its_stream(served, tokenizer):
     scheduler = Scheduler()
     stream = waiting(scheduler)
-    assert scheduler.schedule(served, Solo())
+    assert scheduler.schedule(served, None)
     (sequence,) = served.decoder.added
     assert sequence.prompt == PROMPT and sequence.rest == PROMPT[-2:]
     assert sequence.kv_cache == ["cached"]
@@ -126,7 +123,7 @@ def test_a_request_runs_from_the_prompt_store_to_its_stream(served, tokenizer):
     # Retired: its KV state kept, its figures for GetMetrics.
     assert not scheduler and served.decoder.removed == [0]
     assert served.store.kept == [(["kv0"], PROMPT)]
-    metrics = scheduler.last_request
+    metrics = scheduler.last_metrics
     assert metrics.tokens_generated == len(paris)  # EOS is not counted
     assert metrics.prompt_tokens_processed == 2 and metrics.slot_id == 0
 
@@ -134,10 +131,10 @@ def test_a_request_runs_from_the_prompt_store_to_its_stream(served, tokenizer):
 def test_cancelled_and_unread_streams_retire_at_the_next_schedule(served):
     scheduler = Scheduler()
     cancelled, unread, kept = waiting(scheduler), waiting(scheduler), waiting(scheduler)
-    scheduler.schedule(served, Solo())
+    scheduler.schedule(served, None)
     assert [s.slot for s in scheduler.running.values()] == [0, 1, 2]
     cancelled.cancelled, unread.backlog = True, 5
-    scheduler.schedule(served, Solo())
+    scheduler.schedule(served, None)
     assert served.decoder.removed == [0, 1] and list(scheduler.running) == [2]
     assert cancelled.events == []
     (error,) = unread.events
@@ -145,7 +142,7 @@ def test_cancelled_and_unread_streams_retire_at_the_next_schedule(served):
     assert "max_stream_backlog is 4" in str(error)
     # The lowest free slot goes to the next request.
     waiting(scheduler)
-    scheduler.schedule(served, Solo())
+    scheduler.schedule(served, None)
     assert [s.slot for s in scheduler.running.values()] == [2, 0]
     assert kept.events == []
 
@@ -153,7 +150,7 @@ def test_cancelled_and_unread_streams_retire_at_the_next_schedule(served):
 def test_abort_ends_every_request(served):
     scheduler = Scheduler()
     running = waiting(scheduler)
-    scheduler.schedule(served, Solo())
+    scheduler.schedule(served, None)
     queued = waiting(scheduler)
     scheduler.abort("the model was unloaded")
     for stream in (running, queued):

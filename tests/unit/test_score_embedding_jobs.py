@@ -13,14 +13,14 @@ from mlx_lm.models.cache import ConcatenateKVCache, make_prompt_cache
 import mlx_backend.engine.jobs as score_embedding
 from mlx_backend.engine.jobs import (
     EmbeddingBatch,
-    EmbeddingRequest,
     JobQueue,
     ScoreBatch,
-    ScoreRequest,
     score_continuations,
 )
 from mlx_backend.errors import Aborted
-from tests.support import TINY_LLAMA, log_softmax
+from mlx_backend.request_parsing import EmbeddingRequest, ScoreRequest
+from tests.engine_helpers import log_softmax
+from tests.tiny_models import TINY_LLAMA
 
 # -- a tiny model -------------------------------------------------------------
 

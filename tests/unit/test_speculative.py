@@ -19,7 +19,7 @@ from mlx_backend.decoders.speculative import (
 )
 from mlx_backend.sampling import make_seeded_sampler
 from python_utils import LoadOptions
-from tests.support import FLAT, TINY_LLAMA
+from tests.tiny_models import FLAT, TINY_LLAMA
 
 
 def test_ngram_proposer_prefers_the_longest_latest_match():

@@ -1,0 +1,113 @@
+"""Tiny llamas that tests build: the config (``TINY_LLAMA``); a random draft model
+with the default model's tokenizer (``make_tiny_draft``) and ``FLAT``, the
+speculative decoders' costs tests run drafts with; and the same random tiny llama
+on every call (``tiny_model``) with LoRA adapters for it (``write_adapter``)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from mlx_backend.models.gguf import save_tokenizer
+from mlx_backend.models.loading import default_model_path
+
+# Speculative decoders' costs where every k costs one pass: each step verifies all
+# it can, so runs are long and the same on every machine.
+FLAT = (1.0,) * 9
+
+# A llama small enough to build in a test; the tests set its vocabulary.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def make_tiny_draft(
+    folder: Path, vocabulary_changed: bool = False, layers: int = 1
+) -> Path:
+    """A llama of ``layers`` layers with random weights and the default model's
+    tokenizer: a draft model whose proposals are mostly wrong, or a model whose
+    head counts divide by 2. ``vocabulary_changed`` adds a token, so its
+    vocabulary differs from the model's."""
+    config = {
+        **TINY_LLAMA,
+        "num_hidden_layers": layers,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 2,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config))
+    _, metadata = mx.load(str(default_model_path()), return_metadata=True)
+    save_tokenizer(metadata, folder)
+    if vocabulary_changed:
+        path = folder / "tokenizer.json"
+        tokenizer = json.loads(path.read_text())
+        tokenizer["added_tokens"].append(
+            {
+                "id": 49152,
+                "content": "<draft-only>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+        path.write_text(json.dumps(tokenizer))
+    return folder
+
+
+# -- LoRA adapters for a tiny llama ----------------------------------------------
+
+
+def tiny_model() -> llama.Model:
+    """The same random tiny llama on every call."""
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict({**TINY_LLAMA, "vocab_size": 64}))
+    mx.eval(model.parameters())
+    return model
+
+
+def write_adapter(
+    folder: Path,
+    seed: int,
+    own_scale: float = 2.0,
+    rank: int = 4,
+    config: dict | None = None,
+    weights: dict | None = None,
+) -> Path:
+    """An adapter as mlx_lm.lora saves one, for every linear of the tiny llama's
+    layers, with random nonzero lora_b (mlx-lm starts it at zero)."""
+    folder.mkdir(parents=True)
+    config = config or {
+        "fine_tune_type": "lora",
+        "num_layers": 2,
+        "lora_parameters": {"rank": rank, "scale": own_scale, "dropout": 0.0},
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    if weights is None:
+        mx.random.seed(seed)
+        weights = {}
+        for name, module in tiny_model().named_modules():
+            if name.startswith("model.layers.") and isinstance(module, nn.Linear):
+                out_dims, in_dims = module.weight.shape
+                bound = in_dims**-0.5
+                a = mx.random.uniform(-bound, bound, (in_dims, rank))
+                weights[f"{name}.lora_a"] = a
+                weights[f"{name}.lora_b"] = 0.05 * mx.random.normal((rank, out_dims))
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    return folder
