@@ -30,9 +30,9 @@ from mlx_backend.engine.loop import (
     Submit,
     Turns,
 )
-from mlx_backend.engine.scheduler import Scheduler
+from mlx_backend.engine.scheduler import Scheduler, admission_refusal
 from mlx_backend.engine.stats import EngineStats, RequestMetrics, Stats
-from mlx_backend.errors import Aborted, FailedPrecondition, Unavailable
+from mlx_backend.errors import Aborted
 from mlx_backend.models.loading import LoadPlan, ModelInfo
 from mlx_backend.request_parsing import (
     EmbeddingRequest,
@@ -181,16 +181,9 @@ class Engine(Turns):
     def _queue_job(self, request: EmbeddingRequest | ScoreRequest, future) -> None:
         if not future.set_running_or_notify_cancel():
             return
-        if self.served is None:
-            future.set_exception(
-                FailedPrecondition("no model is loaded: call LoadModel first")
-            )
-        elif request.load_id != self.served.info.load_id:
-            future.set_exception(
-                Aborted("the model was replaced while the request was queued")
-            )
-        elif self._group.broken:
-            future.set_exception(Unavailable(self._group.broken))
+        refusal = admission_refusal(self.served, request.load_id, self._group.broken)
+        if refusal is not None:
+            future.set_exception(refusal)
         else:
             self._jobs.add(request, future)
 

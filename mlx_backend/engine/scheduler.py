@@ -34,6 +34,20 @@ logger = logging.getLogger(__name__)
 SHARED_PREFIX_MIN_TOKENS = 64
 
 
+def admission_refusal(
+    served: ServedModel | None, load_id: int, unavailable: str | None
+) -> BackendError | None:
+    """Why a request for load ``load_id`` can't start now (generation, Score or
+    Embedding alike); None when it can."""
+    if served is None:
+        return FailedPrecondition("no model is loaded: call LoadModel first")
+    if load_id != served.info.load_id:
+        return Aborted("the model was replaced while the request was queued")
+    if unavailable:
+        return Unavailable(unavailable)
+    return None
+
+
 @dataclass(eq=False)
 class Running:
     """One request being generated: its decoder key, stream and reply pipeline."""
@@ -213,14 +227,9 @@ class Scheduler:
         stream: RequestStream,
         lead: int,
     ) -> None:
-        if served is None:
-            stream.put(FailedPrecondition("no model is loaded: call LoadModel first"))
-            return
-        if request.load_id != served.info.load_id:
-            stream.put(Aborted("the model was replaced while the request was queued"))
-            return
-        if unavailable:
-            stream.put(Unavailable(unavailable))
+        refusal = admission_refusal(served, request.load_id, unavailable)
+        if refusal is not None:
+            stream.put(refusal)
             return
         try:
             seq = self._start(served, request, stream, lead)
