@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie
 
+from mlx_backend.caches.kinds import cache_length
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,8 +98,8 @@ class ThreadSafeLRUPromptCache:
         """The cache that covers the longest prefix of ``tokens``, and the rest.
 
         An exact or shorter entry is taken out of the cache (or deep-copied when it
-        is shared); a longer entry is copied and trimmed back to the common prefix
-        and stays in place.
+        is shared or can't be trimmed); a longer entry is copied and trimmed back to
+        the common prefix and stays in place.
 
         Returns:
             ``(prompt_cache, remaining_tokens)``, or ``(None, tokens)`` on a miss.
@@ -116,7 +118,7 @@ class ThreadSafeLRUPromptCache:
             ):
                 key = (model_key, tuple(found.longer))
                 entry = self._lru[key]
-                if self._can_trim(entry.prompt_cache):
+                if self._trimmable(entry.prompt_cache):
                     self._lru.move_to_end(key)
                     cache = copy.deepcopy(entry.prompt_cache)
                     self._trim(cache, len(found.longer) - found.common_prefix)
@@ -153,7 +155,7 @@ class ThreadSafeLRUPromptCache:
             self._trie.add(model_key, key[1], entry)
             self._lru[key] = entry
             self._nbytes += nbytes
-            if self._can_trim is not None and self._can_trim(prompt_cache):
+            if self._trimmable(prompt_cache):
                 # A trimmable entry serves all its prefixes, so they only take space.
                 for length, prefix in self._trie.pop_prefixes(model_key, key[1]):
                     self._forget((model_key, key[1][:length]), prefix)
@@ -170,10 +172,12 @@ class ThreadSafeLRUPromptCache:
         generation needs the logits of the last prompt token."""
         prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens)
         if prompt_cache is not None and not rest:
-            if self._can_trim is not None and self._can_trim(prompt_cache):
+            if self._trimmable(prompt_cache):
                 self._trim(prompt_cache, 1)
                 return prompt_cache, list(tokens[-1:])
-            return None, list(tokens)
+            # The entry stays; the longest one short of the last token serves.
+            prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens[:-1])
+            return prompt_cache, [*rest, tokens[-1]]
         return prompt_cache, rest
 
     def insert_state(
@@ -184,9 +188,10 @@ class ThreadSafeLRUPromptCache:
         holders: int = 1,
     ) -> None:
         """Keep a sequence's KV state: the tokens its layers hold (a cancelled
-        prefill keeps whole chunks, so it can hold fewer than it was given),
-        evaluated now, so that a lazy slice never pins a whole batch's buffers."""
-        length = min(getattr(prompt_cache[0], "offset", 0), len(tokens))
+        prefill keeps whole chunks, so it can hold fewer than it was given; layers
+        of recurrent state alone hold all of ``tokens``), evaluated now, so that a
+        lazy slice never pins a whole batch's buffers."""
+        length = min(cache_length(prompt_cache) or len(tokens), len(tokens))
         if length > 1:
             mx.eval([layer.state for layer in prompt_cache])
             self.insert_cache(model_key, list(tokens[:length]), prompt_cache, holders)
@@ -201,7 +206,7 @@ class ThreadSafeLRUPromptCache:
             shorter = len(found.shorter) if found.shorter is not None else 0
             if found.longer is not None and found.common_prefix > max(shorter, 1):
                 entry = self._lru[(model_key, tuple(found.longer))]
-                if self._can_trim is not None and self._can_trim(entry.prompt_cache):
+                if self._trimmable(entry.prompt_cache):
                     return found.common_prefix
             return shorter
 
@@ -221,11 +226,18 @@ class ThreadSafeLRUPromptCache:
             self._lru.clear()
             self._nbytes = 0
 
+    def _trimmable(self, prompt_cache: list) -> bool:
+        return self._can_trim is not None and self._can_trim(prompt_cache)
+
     def _take(self, model_key: Hashable, tokens: Sequence[int]) -> list:
         key = (model_key, tuple(tokens))
         entry = self._lru[key]
-        if entry.count > 1:
-            entry.count -= 1
+        # An entry that can't be trimmed serves only its own tokens, which no
+        # longer entry can give back: it stays (opaque entries, with no can_trim_fn,
+        # are handed over).
+        stays = self._can_trim is not None and not self._can_trim(entry.prompt_cache)
+        if entry.count > 1 or stays:
+            entry.count = max(entry.count - 1, 1)
             self._lru.move_to_end(key)
             return copy.deepcopy(entry.prompt_cache)
         self._trie.pop(model_key, key[1])

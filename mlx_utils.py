@@ -72,10 +72,17 @@ def check_kv_cache(model: nn.Module, options: LoadOptions) -> None:
     try:
         model(mx.array([[0]]), cache=make_kv_cache(model, quantized))
     except Exception as e:
+        layers = sorted(
+            {
+                type(m).__name__
+                for _, m in model.named_modules()
+                if type(m).__name__.endswith("Attention")
+            }
+        )
         raise InvalidArgument(
             f"Options: kv_bits {options.kv_bits} with kv_group_size "
             f"{options.kv_group_size or 64}: this model's KV cache can't be "
-            f"quantized so ({e})"
+            f"quantized so: its {', '.join(layers) or 'attention'} layers fail ({e})"
         ) from None
 
 

@@ -68,6 +68,10 @@ class LoadOptions:
     max_stream_backlog: int = 256
     # Requests that share a long prompt prefix prefill it once (engine/scheduler.py).
     prefix_sharing: bool = True
+    # KV caches that can't be trimmed (sliding windows, recurrent state): prefill
+    # keeps a snapshot every this many prompt tokens, besides each prompt's end
+    # (0: prompt ends only; caches/kinds.py).
+    snapshot_interval: int = 1024
     # Speculative decoding (speculative.py): "auto", "ngram", "draft" or "off"; proposed
     # tokens verified per step at most, and the n-gram sizes prompt lookup matches.
     speculative: str = "auto"
@@ -162,6 +166,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "num_draft_tokens",
         "quantized_kv_start",
         "threads",
+        "snapshot_interval",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 0:

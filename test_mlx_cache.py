@@ -67,9 +67,22 @@ def test_shorter_prefix_returns_the_longest_one_and_the_suffix():
     cache.insert_cache("m", [1, 2], short)
     cache.insert_cache("m", [1, 2, 3], longer)
     found, rest = cache.fetch_nearest_cache("m", [1, 2, 3, 4, 5])
-    assert found is longer and rest == [4, 5]
+    assert found[0].tokens == [1, 2, 3] and rest == [4, 5]
     found, rest = cache.fetch_nearest_cache("m", [1, 2, 9])
-    assert found is short and rest == [9]
+    assert found[0].tokens == [1, 2] and rest == [9]
+    # Entries that can't be trimmed are copies: no longer entry can give them back.
+    assert found is not short and len(cache) == 2
+
+
+def test_a_prompt_repeat_of_an_untrimmable_entry_takes_the_boundary_before_it():
+    cache = make_cache()
+    cache.insert_cache("m", [1, 2, 3], fake([1, 2, 3], trimmable=False))
+    cache.insert_cache("m", [1, 2, 3, 4, 5], fake([1, 2, 3, 4, 5], trimmable=False))
+    found, rest = cache.fetch_for_prompt("m", [1, 2, 3, 4, 5])
+    assert found[0].tokens == [1, 2, 3] and rest == [4, 5]
+    found, rest = cache.fetch_for_prompt("m", [1, 2, 3, 4])
+    assert found[0].tokens == [1, 2, 3] and rest == [4]
+    assert len(cache) == 2
 
 
 def test_single_token_prefix_is_not_a_match():
@@ -309,10 +322,11 @@ def test_a_prompt_fetch_leaves_one_token_to_run():
     found, rest = cache.fetch_for_prompt("m", [1, 2, 3])
     assert found is entry and rest == [3]
     assert entry[0].tokens == [1, 2]
-    # An exact hit that can't be trimmed is a miss (and is used up).
+    # An exact hit that can't be trimmed, with no boundary before it, is a miss
+    # (and stays).
     cache.insert_cache("m", [4, 5, 6], fake([4, 5, 6], trimmable=False))
     assert cache.fetch_for_prompt("m", [4, 5, 6]) == (None, [4, 5, 6])
-    assert len(cache) == 0
+    assert len(cache) == 1
 
 
 def test_entries_count_the_bytes_size_fn_says():

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from mlx_backend.caches.kinds import cache_length
 from mlx_backend.errors import InvalidArgument
 from mlx_cache import common_length
 
@@ -338,9 +339,10 @@ class PromptCacheDir:
 def _fit(cache: list, tokens: Sequence[int]) -> tuple[list, list[int]] | None:
     """``cache`` cut to the tokens both it and ``tokens`` hold, without copying
     arrays (a trim only moves a shallow copy's offset); None when it can't be."""
-    offset = getattr(cache[0], "offset", None)
-    if not isinstance(offset, int):
-        return None
+    # Layers of recurrent state alone count no positions: they hold ``tokens``.
+    offset = cache_length(cache)
+    if offset is None:
+        offset = len(tokens)
     n = min(offset, len(tokens))
     if n < 2:
         return None

@@ -51,6 +51,17 @@ class KVState:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """A decoding sequence taken out between steps: its KV state holds every token
+    it returned, and ``token`` is the next one, sampled but not yet returned."""
+
+    state: KVState
+    token: int
+    # The log probabilities ``token`` was sampled from (after processors).
+    logprobs: mx.array
+
+
+@dataclass(frozen=True)
 class NewSequence:
     """What a decoder needs to start generating one sequence."""
 
@@ -102,7 +113,8 @@ class Decoder(ABC):
     # Steps that decoded sequences together, and the tokens they made.
     batch_steps = 0
     batch_tokens = 0
-    # Speculative decoding: tokens proposed, and those the model kept.
+    # Speculative decoding: whether it runs, tokens proposed, and those kept.
+    speculates = False
     draft_proposed = 0
     draft_accepted = 0
 
@@ -117,6 +129,11 @@ class Decoder(ABC):
     @abstractmethod
     def remove(self, key: int, keep_state: bool = True) -> KVState | None:
         """Take a sequence out; its KV state when asked for and sound."""
+
+    def take_pending(self, key: int) -> "Pending | None":
+        """Take a decoding sequence out with the token its next step already
+        sampled; None where the decoder can't (then ``remove`` it)."""
+        return None
 
     @abstractmethod
     def reset(self) -> None:

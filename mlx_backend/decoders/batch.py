@@ -12,6 +12,7 @@ from mlx_backend.decoders.base import (
     Decoder,
     KVState,
     NewSequence,
+    Pending,
     StepResult,
     thread_stream,
 )
@@ -165,6 +166,17 @@ class BatchDecoder(Decoder):
         removed = self._batch.remove([key], return_prompt_caches=keep_state)
         state = removed.get(key) if keep_state else None
         return None if state is None else KVState(*state)
+
+    def take_pending(self, key: int) -> Pending | None:
+        # The step that returned a row's last token also sampled its next one.
+        generation = self._batch._generation_batch
+        if key not in self._rows or key not in generation.uids:
+            return None
+        i = generation.uids.index(key)
+        token = generation._next_tokens[i].item()
+        logprobs = generation._next_logprobs[i]
+        state = self.remove(key)
+        return None if state is None else Pending(state, token, logprobs)
 
     def reset(self) -> None:
         self._close_batch()

@@ -4,9 +4,9 @@ import logging
 from functools import partial
 
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-from mlx_backend.caches.quantized_kv import QuantizedKVCache
+from mlx_backend.caches.kinds import layer_kind
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.measured import measured_once
@@ -44,17 +44,28 @@ def make_decoder(
 ) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
     can be merged, with paced CPU steps when ``pace``), speculating for a lone
-    sequence with ``draft`` or n-gram prompt lookup, unless that is off or the KV
-    caches only rotate."""
+    sequence with ``draft`` or n-gram prompt lookup, unless that is off (or the
+    KV caches can't go back and the sequences run one each)."""
     inner = make_plain_decoder(model, options, pace)
-    # Rotating (sliding-window) caches cannot always be trimmed back.
-    growing = all(
-        isinstance(c, (KVCache, QuantizedKVCache))
-        for c in make_kv_cache(model, options)
-    )
-    if options.speculative == "off" or options.num_draft_tokens == 0 or not growing:
-        logger.info("speculative decoding is off")
+    kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
+    why = None
+    if options.speculative == "off" or options.num_draft_tokens == 0:
+        why = "turned off by the options"
+    elif "other" in kinds:
+        why = "the KV cache has layers it can neither trim nor hold"
+    elif kinds != {"growing"} and not inner.capabilities.batching:
+        # Leaving the plain decoder takes the token its step sampled: only a batch
+        # has it, since these caches can't give back the last token.
+        why = "the sequence's window or recurrent state can't be trimmed back"
+    if why:
+        logger.info("speculative decoding is off: %s", why)
         return inner
+    rollback = kinds != {"growing"}
+    if draft is not None and {layer_kind(c) for c in make_prompt_cache(draft)} != {
+        "growing"
+    }:
+        logger.info("the draft model's KV cache can't be trimmed: n-gram proposals")
+        draft = None
     max_draft = max(options.num_draft_tokens, 8)
     drafting = draft if options.speculative != "ngram" else None
     costs, per_proposal = measured_once(
@@ -70,10 +81,11 @@ def make_decoder(
         proposer = f"n-gram prompt lookup (n {n_min}-{n_max})"
         make_proposer = partial(NgramProposer, n_min, n_max)
     logger.info(
-        "speculative decoding: %s, up to %d tokens a step; one pass over 1+k tokens "
-        "costs %s times one token (k = 1..%d), a proposal %.2f",
+        "speculative decoding: %s, up to %d tokens a step%s; one pass over 1+k "
+        "tokens costs %s times one token (k = 1..%d), a proposal %.2f",
         proposer,
         options.num_draft_tokens,
+        ", rejected proposals rolled back to held window and state" if rollback else "",
         ", ".join(f"{c:.2f}" for c in costs[1:]),
         max_draft,
         per_proposal,
@@ -85,4 +97,5 @@ def make_decoder(
         make_proposer,
         costs=costs,
         per_proposal=per_proposal,
+        rollback=rollback,
     )

@@ -33,6 +33,12 @@ class _SingleRow:
     logprobs: int | None
     # Every token the model has been given a step for, prompt first.
     fed: list[int]
+    # The tokens the KV cache holds: prefill adds whole chunks, and the step
+    # for a token runs before it is yielded, except for the last one allowed.
+    held: int
+    # Tokens generated, and how many may be.
+    generated: int
+    max_tokens: int
 
 
 class SingleDecoder(Decoder):
@@ -48,10 +54,15 @@ class SingleDecoder(Decoder):
 
     def add(self, sequence: NewSequence) -> int:
         reused = len(sequence.prompt) - len(sequence.rest)
+        key = self._next_key
 
         def check_cancelled(processed: int, total: int) -> None:
-            if sequence.cancelled():
-                raise _Cancelled()
+            # The last call comes after the first token's step is queued: the
+            # scheduler sees a cancellation then.
+            if processed < total:
+                self._rows[key].held = reused + processed
+                if sequence.cancelled():
+                    raise _Cancelled()
 
         tokens = generate_step(
             mx.array(sequence.rest),
@@ -65,10 +76,15 @@ class SingleDecoder(Decoder):
             prompt_cache=sequence.kv_cache,
             prompt_progress_callback=check_cancelled,
         )
-        key = self._next_key
         self._next_key += 1
         self._rows[key] = _SingleRow(
-            tokens, sequence.kv_cache, sequence.logprobs, list(sequence.prompt)
+            tokens,
+            sequence.kv_cache,
+            sequence.logprobs,
+            list(sequence.prompt),
+            reused,
+            0,
+            sequence.max_tokens,
         )
         return key
 
@@ -90,8 +106,9 @@ class SingleDecoder(Decoder):
                 error = e.with_traceback(None)
                 results.append(StepResult(key, done=True, state=state, error=error))
                 continue
-            # generate_step runs the step for a token before yielding it.
             row.fed.append(token)
+            row.generated += 1
+            row.held = len(row.fed) - (row.generated >= row.max_tokens)
             scored = None
             if row.logprobs is not None:
                 scored = gather_logprobs([logprobs], [token], row.logprobs)[0]
@@ -114,7 +131,7 @@ class SingleDecoder(Decoder):
             except Exception:
                 logger.warning("not caching the KV state of a failed generation")
                 return None
-        return KVState(row.kv_cache, row.fed)
+        return KVState(row.kv_cache, row.fed[: row.held])
 
     def reset(self) -> None:
         for row in self._rows.values():

@@ -11,8 +11,17 @@ token there. The output is what plain decoding gives, greedy and seeded alike:
 ``SpeculativeDecoder`` wraps the plain decoder. While that holds one decoding
 sequence with a proposal, the sequence leaves it and speculates; when another
 arrives it goes back with its KV cache, and the batch decodes as before.
+
+Sliding windows and recurrent state can't be trimmed back past rejected
+proposals (``rollback``). Their layers are held (the window or the state: a
+fixed size, whatever the length) before each verification; when a proposal is
+rejected, the growing layers are trimmed past every verified token, the held
+layers restored, and the kept tokens run again. A sequence leaves the batch with
+the token the batch already sampled, since its KV state can't give the last one
+back either.
 """
 
+import copy
 import logging
 import statistics
 import time
@@ -21,8 +30,14 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
+from mlx_backend.caches.kinds import layer_kind
 from mlx_backend.decoders.base import (
     Decoder,
     KVState,
@@ -164,6 +179,42 @@ def measure_verify_costs(
     return tuple(costs), per_proposal
 
 
+def hold(cache: list) -> list:
+    """What restores the layers that can't be trimmed (None for those that can):
+    shallow copies, since a forward pass over several tokens replaces their
+    arrays rather than writing into them."""
+    held = []
+    for layer in cache:
+        if layer_kind(layer) == "growing":
+            held.append(None)
+        elif isinstance(layer, CacheList):
+            held.append(CacheList(*hold(layer.caches)))
+        else:
+            kept = copy.copy(layer)
+            if isinstance(layer, ArraysCache):
+                kept.cache = list(layer.cache)
+            held.append(kept)
+    return held
+
+
+def roll_back(cache: list, held: list, fed: int) -> None:
+    """Undo the last ``fed`` tokens: trim the growing layers, restore the rest."""
+    for layer, kept in zip(cache, held):
+        if kept is None:
+            layer.trim(fed)
+        elif isinstance(layer, CacheList):
+            roll_back(layer.caches, kept.caches, fed)
+        else:
+            layer.__dict__.update(kept.__dict__)
+
+
+def replay_cost(rate: float, k: int, costs: tuple[float, ...]) -> float:
+    """The expected cost, in single-token passes, of running the kept tokens again
+    after a rejection among ``k`` proposals: ``a`` accepted means a pass over
+    ``1 + a`` tokens."""
+    return sum(rate**a * (1 - rate) * costs[a] for a in range(k))
+
+
 def expected_tokens(rate: float, k: int) -> float:
     """The tokens one verification of ``k`` proposals yields when each holds
     with probability ``rate``: the accepted ones and the model's own."""
@@ -171,15 +222,23 @@ def expected_tokens(rate: float, k: int) -> float:
 
 
 def best_draft_length(
-    rate: float, costs: tuple[float, ...], available: int, per_proposal: float = 0.0
+    rate: float,
+    costs: tuple[float, ...],
+    available: int,
+    per_proposal: float = 0.0,
+    rollback: bool = False,
 ) -> int:
     """How many of ``available`` proposals to verify for the most tokens per
     second (0: none), when each holds with probability ``rate``, a pass over
-    1 + k tokens costs ``costs[k]`` single-token passes, and making a proposal
-    costs ``per_proposal`` of one."""
+    1 + k tokens costs ``costs[k]`` single-token passes, making a proposal costs
+    ``per_proposal`` of one, and with ``rollback`` a rejection runs the kept
+    tokens again."""
     best, best_gain = 0, MIN_GAIN
     for k in range(1, min(available, len(costs) - 1) + 1):
-        gain = expected_tokens(rate, k) / (costs[k] + k * per_proposal)
+        cost = costs[k] + k * per_proposal
+        if rollback:
+            cost += replay_cost(rate, k, costs)
+        gain = expected_tokens(rate, k) / cost
         if gain > best_gain:
             best, best_gain = k, gain
     return best
@@ -201,6 +260,9 @@ class _SpeculativeRow:
     trials: float = field(init=False)
     # A cheap proposal's first token, checked against the next decoded one.
     guess: int | None = None
+    # Rollback: the token the batch sampled as the sequence left it, and its
+    # logprobs, reported with the first lone step.
+    unreported: tuple[int, mx.array] | None = None
     backoff_until: int = 0
     backoff: int = FIRST_BACKOFF_TOKENS
 
@@ -222,6 +284,8 @@ class _SpeculativeRow:
 class SpeculativeDecoder(Decoder):
     """Speculation for a lone sequence around a plain decoder."""
 
+    speculates = True
+
     def __init__(
         self,
         inner: Decoder,
@@ -230,11 +294,14 @@ class SpeculativeDecoder(Decoder):
         make_proposer: Callable[[], NgramProposer | DraftProposer],
         costs: tuple[float, ...] | None = None,
         per_proposal: float = 0.0,
+        rollback: bool = False,
     ):
         """``make_proposer`` makes each sequence's proposer. ``costs``: what a pass
         over 1 + k tokens costs relative to one token, and ``per_proposal`` what
-        making one proposal does; measured on the model when not given."""
+        making one proposal does; measured on the model when not given.
+        ``rollback``: the KV cache has layers that can't be trimmed."""
         self._inner = inner
+        self._rollback = rollback
         self._model = model
         self._make_proposer = make_proposer
         self._rows: dict[int, _SpeculativeRow] = {}
@@ -365,13 +432,23 @@ class SpeculativeDecoder(Decoder):
 
     def _leave_batch(self, key: int, row: _SpeculativeRow) -> None:
         """Take the sequence out of the inner decoder to speculate alone."""
-        state = self._inner.remove(row.inner)
+        if self._rollback:
+            pending = self._inner.take_pending(row.inner)
+            state = pending and pending.state
+        else:
+            state = self._inner.remove(row.inner)
         del self._by_inner[row.inner]
         if state is None:
             # The engine loop aborts every stream rather than let this one hang.
             raise RuntimeError("a decoding sequence had no KV state to speculate from")
-        # The inner decoder has already run the last token: it is verified again.
-        trim_prompt_cache(state.cache, 1)
+        if self._rollback:
+            # The cache holds the last token: the next comes from the batch's step.
+            row.tokens.append(pending.token)
+            row.generated += 1
+            row.unreported = (pending.token, pending.logprobs)
+        else:
+            # The inner decoder has already run the last token: it is verified again.
+            trim_prompt_cache(state.cache, 1)
         row.kv_cache, row.inner = state.cache, None
         row.guess = None
         self._lone = key
@@ -399,18 +476,24 @@ class SpeculativeDecoder(Decoder):
         """The number of proposals this step should verify, at most."""
         remaining = row.sequence.max_tokens - row.generated
         limit = min(row.sequence.draft_tokens, remaining - 1)
-        return best_draft_length(row.acceptance, self.costs, limit, self.per_proposal)
+        return best_draft_length(
+            row.acceptance, self.costs, limit, self.per_proposal, self._rollback
+        )
 
     def _speculate(self, key: int, row: _SpeculativeRow) -> StepResult | None:
         """One verification step of the lone sequence; None when it had nothing
         worth verifying and went back to the inner decoder."""
         sequence = row.sequence
+        unreported, row.unreported = row.unreported, None
         try:
             draft = row.proposer.propose(row.tokens, self._best_length(row))
             if not draft:
                 # The batch's pipelined step beats a lone one; back when there is more.
                 self._back_to_batch(row)
-                return None
+                if unreported is None:
+                    return None
+                return self._report(key, row, [unreported[0]], [unreported[1]])
+            held = hold(row.kv_cache) if self._rollback else None
             tokens, logprobs = self._verify(row, draft)
         except Exception as e:
             logger.exception("speculative generation failed")
@@ -423,32 +506,53 @@ class SpeculativeDecoder(Decoder):
         emitted = tokens[: accepted + 1]
         row.proposer.rewind(accepted, len(draft))
         # The cache holds the last token and every proposal; keep the accepted ones.
-        trim_prompt_cache(row.kv_cache, len(draft) - accepted)
+        if held is not None and accepted < len(draft):
+            roll_back(row.kv_cache, held, len(draft) + 1)
+            kept = mx.array([row.tokens[-1], *draft[:accepted]])
+            self._model(kept[None], cache=row.kv_cache)
+            mx.eval([layer.state for layer in row.kv_cache])
+        else:
+            trim_prompt_cache(row.kv_cache, len(draft) - accepted)
         row.tokens.extend(emitted)
         row.generated += len(emitted)
         if isinstance(sequence.sampler, SeededSampler):
             # Rejected positions are drawn again, by whichever decoder runs next.
             sequence.sampler.position = row.generated
-        self._lone_steps += 1
-        self._lone_tokens += len(emitted)
         self._observe(row, len(draft), accepted)
         if accepted:
             row.backoff = FIRST_BACKOFF_TOKENS
         self.draft_proposed += len(draft)
         self.draft_accepted += accepted
+        rows = list(logprobs[: len(emitted)])
+        if unreported is not None:
+            emitted, rows = [unreported[0], *emitted], [unreported[1], *rows]
+        return self._report(key, row, emitted, rows, len(draft), accepted)
+
+    def _report(
+        self,
+        key: int,
+        row: _SpeculativeRow,
+        emitted: list[int],
+        rows: list[mx.array],
+        proposed: int = 0,
+        accepted: int = 0,
+    ) -> StepResult:
+        """The lone sequence's step: its tokens, scored from their logprob
+        ``rows``; it ends here at its token limit, or goes back to the batch when
+        proposals stopped paying."""
+        sequence = row.sequence
+        self._lone_steps += 1
+        self._lone_tokens += len(emitted)
         scored = [None] * len(emitted)
         if sequence.logprobs is not None:
-            scored = gather_logprobs(
-                list(logprobs[: len(emitted)]), emitted, sequence.logprobs
-            )
+            scored = gather_logprobs(rows, emitted, sequence.logprobs)
         done = row.generated >= sequence.max_tokens
         state = None
         if done:
             state = KVState(row.kv_cache, row.tokens[:-1])
             del self._rows[key]
             self._lone = None
-        elif self._best_length(row) == 0:
-            # Proposals stopped paying.
+        elif row.inner is None and self._best_length(row) == 0:
             self._back_off(row)
         return StepResult(
             key,
@@ -456,7 +560,7 @@ class SpeculativeDecoder(Decoder):
             tuple(scored),
             done=done,
             state=state,
-            proposed=len(draft),
+            proposed=proposed,
             accepted=accepted,
         )
 

@@ -9,6 +9,7 @@ numbers the loads; a worker of a group runs the same two halves for each ``Load`
 op rank 0 sends it, with the same plan.
 """
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from functools import partial
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
+from mlx_backend.caches.kinds import make_cache_kinds
 from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
 from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import Decoder
@@ -42,6 +44,8 @@ from mlx_backend.models.loading import (
 from mlx_backend.models.lora import check_adapters
 from mlx_utils import check_kv_cache, make_kv_cache
 from python_utils import LoadOptions
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -163,12 +167,15 @@ def prepare(
             options,
             plan.adapters,
         )
+    kinds = make_cache_kinds(make_kv_cache(model, options))
+    logger.info("%s", kinds.describe())
     store = PromptStore(
         make_prompt_cache(options, max_cache_bytes, lockstep, resolved.total_layers),
         load_id,
         partial(make_kv_cache, model, options),
         counts,
         files,
+        kinds,
     )
     store.load_folder(options.max_cache_entries)
     return ServedModel(model, info, decoder, store)

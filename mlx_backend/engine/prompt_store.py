@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from mlx_backend.caches.kinds import NO_REUSE, CacheKinds
 from mlx_backend.caches.prompt_files import PromptFiles, make_fingerprint
 from mlx_backend.caches.quantized_kv import adopt
 from mlx_backend.cpu.blas import physical_memory
@@ -50,6 +51,7 @@ class PromptStore:
         make_cache: A fresh KV cache for the model, for a miss.
         counts: Where fetches count the tokens they served and left to prefill.
         files: Its files on disk; None over a distributed group, which uses none.
+        kinds: The model's cache layers and how their state is reused.
     """
 
     def __init__(
@@ -59,8 +61,10 @@ class PromptStore:
         make_cache: Callable[[], list],
         counts: PromptCounts,
         files: PromptFiles | None = None,
+        kinds: CacheKinds = CacheKinds(),
     ):
         self.cache = cache
+        self.kinds = kinds
         self._load_id = load_id
         self._make_cache = make_cache
         self._counts = counts
@@ -79,6 +83,8 @@ class PromptStore:
 
     def keep(self, kv_cache: list, tokens, holders: int = 1) -> None:
         """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
+        if self.kinds.reuse == NO_REUSE:
+            return
         self.cache.insert_state(self._load_id, tokens, kv_cache, holders)
         self._changed = True
 

@@ -34,6 +34,17 @@ logger = logging.getLogger(__name__)
 SHARED_PREFIX_MIN_TOKENS = 64
 
 
+def snapshot_boundaries(reused: int, length: int, interval: int) -> set[int]:
+    """Where prefill keeps the KV state of a prompt whose cache can't be trimmed:
+    every ``interval`` tokens (0: none) and the end (less the token that starts
+    generation), past the ``reused`` tokens it starts from."""
+    end = length - 1
+    if end <= reused:
+        return set()
+    marks = set(range(interval, end, interval)) if interval else set()
+    return {n for n in marks if n > reused} | {end}
+
+
 def admission_refusal(
     served: ServedModel | None, load_id: int, unavailable: str | None
 ) -> BackendError | None:
@@ -269,13 +280,19 @@ class Scheduler:
             served.store.restore(request.prompt_file.path, request.prompt)
         kv_cache, rest = served.store.fetch(request.prompt)
         prompt = request.prompt
-        snapshots = []
+        snapshots = set()
+        reused = len(prompt) - len(rest)
         if capabilities.prefix_snapshots and info.options.prefix_sharing:
             # The shared prefix for those that arrived with it, and the prompt once
             # prefilled, for those that come while it generates.
-            snapshots = [n for n in (lead,) if n > len(prompt) - len(rest)]
+            snapshots = {n for n in (lead,) if n > reused}
             if len(rest) > SHARED_PREFIX_MIN_TOKENS:
-                snapshots = sorted({*snapshots, len(prompt) - 1})
+                snapshots.add(len(prompt) - 1)
+        if capabilities.prefix_snapshots and served.store.kinds.snapshots:
+            snapshots |= snapshot_boundaries(
+                reused, len(prompt), info.options.snapshot_interval
+            )
+        snapshots = sorted(snapshots)
         # Only processors that depend on nothing but the tokens can run at
         # proposed positions: grammars and extra hooks keep their own state.
         draft_tokens = 0
@@ -299,7 +316,6 @@ class Scheduler:
         for n in snapshots:
             self._pending.setdefault(prompt[:n], [])
         self._prefixes[key] = [prompt[:n] for n in snapshots]
-        reused = len(request.prompt) - len(rest)
         return Running(key, request, stream, reply, reused, self._free_slot())
 
     def _free_slot(self) -> int:

@@ -82,6 +82,8 @@ class Stats:
             memory.update(grammars_compiled=served.info.grammars.compilations)
             decoder = served.decoder
         store = served.store if served is not None else None
+        if store is not None:
+            memory.update(store.kinds.breakdown())
         memory.update(
             prompt_cache_entries=len(store.cache) if store else 0,
             prompt_cache_bytes=store.cache.nbytes if store else 0,
@@ -91,6 +93,7 @@ class Stats:
             batch_decode_tokens=decoder.batch_tokens if decoder else 0,
             draft_tokens_proposed=decoder.draft_proposed if decoder else 0,
             draft_tokens_accepted=decoder.draft_accepted if decoder else 0,
+            speculative_decoding=int(decoder.speculates) if decoder else 0,
             distributed_ranks=group.size,
         )
         self.published = EngineStats(state, active, memory)

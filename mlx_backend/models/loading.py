@@ -20,6 +20,7 @@ from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.grammar import GrammarCompiler
 from mlx_backend.models.gguf import load_gguf
 from mlx_backend.models.lora import Adapter, apply_adapters
+from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_backend.output.detokenizer import TokenBytes, make_token_bytes
 from mlx_utils import release_memory
 from python_utils import LoadOptions
@@ -151,6 +152,7 @@ def load_model(
     Raises:
         ModelLoadError: Nothing could be loaded; the message names each attempt.
     """
+    apply_fixes()
     if not model and not model_file:
         path = default_model_path()
         result = _load_path(path, trust_remote_code)
