@@ -69,8 +69,9 @@ class LoadOptions:
     # Requests that share a long prompt prefix prefill it once (engine/scheduler.py).
     prefix_sharing: bool = True
     # KV caches that can't be trimmed (sliding windows, recurrent state): prefill
-    # keeps a snapshot every this many prompt tokens, besides each prompt's end
-    # (0: prompt ends only; caches/kinds.py).
+    # keeps snapshots of the prompt's state at its end and every snapshot_interval
+    # tokens (0: at its end only; caches/kinds.py); false for comparison.
+    prompt_snapshots: bool = True
     snapshot_interval: int = 1024
     # Speculative decoding (speculative.py): "auto", "ngram", "draft" or "off"; proposed
     # tokens verified per step at most, and the n-gram sizes prompt lookup matches.

@@ -288,7 +288,11 @@ class Scheduler:
             snapshots = {n for n in (lead,) if n > reused}
             if len(rest) > SHARED_PREFIX_MIN_TOKENS:
                 snapshots.add(len(prompt) - 1)
-        if capabilities.prefix_snapshots and served.store.kinds.snapshots:
+        if (
+            capabilities.prefix_snapshots
+            and served.store.kinds.snapshots
+            and info.options.prompt_snapshots
+        ):
             snapshots |= snapshot_boundaries(
                 reused, len(prompt), info.options.snapshot_interval
             )

@@ -225,9 +225,14 @@ def load_draft(
 
 
 def hidden_state_model(model: nn.Module) -> nn.Module | None:
-    """The model without its output layer: it maps tokens to final hidden states."""
-    inner = getattr(model, "model", None)
-    return inner if isinstance(inner, nn.Module) else None
+    """The model without its output layer: it maps tokens to final hidden states
+    (``backbone`` in mlx-lm's Mamba and Nemotron-H, ``model`` elsewhere)."""
+    for name in ("model", "backbone"):
+        # Qwen 3.5's ``model`` is a property over its language model.
+        inner = getattr(model, name, None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return None
 
 
 def _load_path_or_repo(ref: str, trust_remote_code: bool):
