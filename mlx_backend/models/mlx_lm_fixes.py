@@ -42,7 +42,7 @@ def scaled_dot_product_attention(
     """mlx-lm's attention, which also takes quantized keys and values with
     attention sinks (gpt-oss) or without their cache (Gemma 4's layers that share
     another layer's keys and values): the packing gives the bits and groups."""
-    if not isinstance(keys, tuple):
+    if isinstance(keys, mx.array):
         return base.scaled_dot_product_attention(
             queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
         )

@@ -1,0 +1,97 @@
+"""The mlx-lm workarounds (mlx_backend/models/mlx_lm_fixes.py): what each answers,
+shown on mlx-lm's own code."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import base, nemotron_h
+from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.utils import load as load_mlx_lm
+
+from mlx_backend.models.mlx_lm_fixes import (
+    UNPATCHED,
+    apply_fixes,
+    scaled_dot_product_attention,
+)
+from tests.family_models import make_family_folder
+
+PROMPTS = [[5 + i for i in range(n)] for n in (7, 13, 20, 31)]
+
+
+def first_logits(model, prompts) -> list[mx.array]:
+    """The logits of each prompt's first generated token, the prompts prefilled
+    together (right-padded) as BatchGenerator prefills them."""
+    batch = BatchGenerator(model, prefill_batch_size=len(prompts))
+    batch.insert(prompts, max_tokens=[1] * len(prompts))
+    rows = {}
+    while len(rows) < len(prompts):
+        for response in batch.next()[1]:
+            rows[response.uid] = response.logprobs
+    batch.close()
+    return [rows[uid] for uid in sorted(rows)]
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nemotron_h")
+    model, _ = load_mlx_lm(str(make_family_folder(folder, "nemotron_h")))
+    return model
+
+
+def test_nemotron_h_keeps_the_ssm_state_of_padded_rows(nemotron):
+    alone = [first_logits(nemotron, [p])[0] for p in PROMPTS]
+    mixer = nemotron_h.NemotronHMamba2Mixer
+    try:
+        mixer._ssm = UNPATCHED["nemotron_h"]
+        broken = first_logits(nemotron, PROMPTS)
+    finally:
+        apply_fixes()
+    fixed = first_logits(nemotron, PROMPTS)
+    # mlx-lm drops cache.lengths: the shorter, right-padded rows end with a zero
+    # SSM state; the longest row has no padding.
+    gaps = [mx.abs(a - b).max().item() for a, b in zip(alone, broken)]
+    assert min(gaps[:3]) > 0.1 and gaps[3] < 1e-4
+    for a, b in zip(alone, fixed):
+        assert mx.abs(a - b).max().item() < 1e-4
+    assert greedy_sampler(mx.stack(fixed)).tolist() == [
+        greedy_sampler(a[None]).item() for a in alone
+    ]
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "window"])
+def test_quantized_attention_with_sinks_matches_the_full_precision_kernel(mask):
+    mx.random.seed(3)
+    heads, kv_heads, length, dims = 4, 2, 5, 64
+    queries = mx.random.normal((1, heads, length, dims))
+    keys = mx.random.normal((1, kv_heads, 9, dims))
+    values = mx.random.normal((1, kv_heads, 9, dims))
+    sinks = mx.random.normal((heads,))
+    if mask == "window":
+        # A sliding window's boolean mask, as gpt-oss's rotating layers make one.
+        mask = mx.arange(4, 9)[:, None] - mx.arange(9)[None] < 3
+        mask = mask & (mx.arange(4, 9)[:, None] >= mx.arange(9)[None])
+    quantized_keys = mx.quantize(keys, group_size=32, bits=8)
+    quantized_values = mx.quantize(values, group_size=32, bits=8)
+
+    def exact(triple):
+        return mx.dequantize(*triple, group_size=32, bits=8)
+
+    scale = dims**-0.5
+    ours = scaled_dot_product_attention(
+        queries, quantized_keys, quantized_values, None, scale, mask, sinks
+    )
+    theirs = mx.fast.scaled_dot_product_attention(
+        queries,
+        exact(quantized_keys),
+        exact(quantized_values),
+        scale=scale,
+        mask=mask,
+        sinks=sinks,
+    )
+    assert mx.abs(ours - theirs).max().item() < 1e-4
+    # mlx-lm's own quantized attention refuses sinks.
+    with pytest.raises(ValueError, match="sinks"):
+        cache = type("Cache", (), {"bits": 8, "group_size": 32})()
+        base.scaled_dot_product_attention(
+            queries, quantized_keys, quantized_values, cache, scale, mask, sinks
+        )
