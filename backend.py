@@ -272,7 +272,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             success=True,
             message=f"loaded {info.source} (context size {info.context_size}; "
             f"{info.compute_path.description}; chat format "
-            f"{info.chat_format.description})",
+            f"{info.chat_format.description}; {info.cache_kinds.describe()})",
         )
 
     async def Health(self, request, context):

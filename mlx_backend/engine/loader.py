@@ -169,6 +169,7 @@ def prepare(
         )
     kinds = make_cache_kinds(make_kv_cache(model, options))
     logger.info("%s", kinds.describe())
+    info = replace(info, cache_kinds=kinds)
     store = PromptStore(
         make_prompt_cache(options, max_cache_bytes, lockstep, resolved.total_layers),
         load_id,

@@ -290,7 +290,7 @@ class Scheduler:
                 snapshots.add(len(prompt) - 1)
         if (
             capabilities.prefix_snapshots
-            and served.store.kinds.snapshots
+            and info.cache_kinds.snapshots
             and info.options.prompt_snapshots
         ):
             snapshots |= snapshot_boundaries(

@@ -82,8 +82,8 @@ class Stats:
             memory.update(grammars_compiled=served.info.grammars.compilations)
             decoder = served.decoder
         store = served.store if served is not None else None
-        if store is not None:
-            memory.update(store.kinds.breakdown())
+        if served is not None:
+            memory.update(served.info.cache_kinds.breakdown())
         memory.update(
             prompt_cache_entries=len(store.cache) if store else 0,
             prompt_cache_bytes=store.cache.nbytes if store else 0,

@@ -13,6 +13,7 @@ from huggingface_hub import snapshot_download
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as load_mlx_folder
 
+from mlx_backend.caches.kinds import CacheKinds
 from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.formats.base import ChatFormat
@@ -265,6 +266,8 @@ class ModelInfo:
     grammars: GrammarCompiler | None = None
     # Where PromptCachePath files may be: ModelPath and the option prompt_cache_dir.
     prompt_file_roots: tuple[Path, ...] = ()
+    # The KV cache's layers and how the prompt cache reuses their state.
+    cache_kinds: CacheKinds = CacheKinds()
 
 
 def prepare_model(
