@@ -168,16 +168,22 @@ class ThreadSafeLRUPromptCache:
         self, model_key: Hashable, tokens: Sequence[int]
     ) -> tuple[list | None, list[int]]:
         """Like ``fetch_nearest_cache``, but at least one token is left to run:
-        an exact hit is trimmed by one token (or missed when it can't be), since
-        generation needs the logits of the last prompt token."""
+        an exact hit is trimmed by one token, or when it can't be, the longest
+        entry short of the last token serves, since generation needs the logits
+        of the last prompt token."""
+        tokens = list(tokens)
+        with self._lock:
+            exact = self._lru.get((model_key, tuple(tokens)))
+            untrimmable = exact is not None and not self._trimmable(exact.prompt_cache)
+        if untrimmable:
+            prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens[:-1])
+            return prompt_cache, [*rest, tokens[-1]]
         prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens)
         if prompt_cache is not None and not rest:
             if self._trimmable(prompt_cache):
                 self._trim(prompt_cache, 1)
-                return prompt_cache, list(tokens[-1:])
-            # The entry stays; the longest one short of the last token serves.
-            prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens[:-1])
-            return prompt_cache, [*rest, tokens[-1]]
+                return prompt_cache, tokens[-1:]
+            return None, tokens
         return prompt_cache, rest
 
     def insert_state(
