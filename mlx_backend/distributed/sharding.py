@@ -8,11 +8,13 @@ Either way every rank ends up with the same logits, and every forward pass takes
 rank 0's token ids, so the ranks agree on each token whatever they sample.
 """
 
+import inspect
 import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +23,15 @@ class ShardingError(Exception):
     """The model cannot be split the way it was asked."""
 
 
+def _text_args(model: nn.Module):
+    """The text model's arguments: a multimodal checkpoint's (Qwen3.5) are its
+    language model's, not the wrapper's (which holds text_config as a dict)."""
+    language = getattr(model, "language_model", None)
+    return getattr(language, "args", None) or model.args
+
+
 def _head_counts(model: nn.Module) -> tuple[int, int]:
-    args = model.args
+    args = _text_args(model)
     heads = args.num_attention_heads
     return heads, getattr(args, "num_key_value_heads", None) or heads
 
@@ -48,7 +57,7 @@ def tensor_problem(model: nn.Module, size: int) -> str | None:
             f"tensor parallel over {size} ranks needs head counts divisible by "
             f"{size}: the model has {heads} query heads and {kv_heads} KV heads"
         )
-    intermediate = getattr(model.args, "intermediate_size", 0) or 0
+    intermediate = getattr(_text_args(model), "intermediate_size", 0) or 0
     if intermediate % size:
         return (
             f"tensor parallel over {size} ranks needs an MLP width divisible by "
@@ -68,6 +77,34 @@ def pipeline_problem(model: nn.Module, size: int) -> str | None:
             f"pipeline parallel over {size} ranks needs at least {size} layers: "
             f"the model has {len(layers)}"
         )
+    return _positions_problem(model, size)
+
+
+def _ranges(layers: int, size: int) -> list[tuple[int, int]]:
+    """Each rank's (start, end) of the layers; the last rank runs the first."""
+    base, extra = divmod(layers, size)
+    split = [base + (1 if r < extra else 0) for r in range(size)]
+    return [(sum(split[r + 1 :]), sum(split[r:])) for r in range(size)]
+
+
+def _positions_problem(model: nn.Module, size: int) -> str | None:
+    """Why the model's forward pass can't run on a range of its layers (it keeps
+    what _reindex can't point at the range), or None."""
+    inner = model.model
+    cannot = f"pipeline parallel can't split {type(model).__module__}"
+    if hasattr(inner, "previous_kvs"):
+        return f"{cannot}: its later layers reuse the KV caches of earlier ones"
+    if hasattr(inner, "sliding_window_pattern"):
+        return f"{cannot}: it picks each layer's mask by the layer's position"
+    flags = _attention_flags(inner.layers)
+    if hasattr(inner, "conv_idx") and flags is not None:
+        # LFM2 makes both kinds of mask from this rank's caches, unguarded.
+        for start, end in _ranges(len(flags), size):
+            if len(set(flags[start:end])) < 2:
+                return (
+                    f"{cannot} over {size} ranks: every rank needs attention and "
+                    f"convolution layers, and layers {start}-{end - 1} are of one kind"
+                )
     return None
 
 
@@ -148,10 +185,7 @@ def _pipeline(model: nn.Module, group: mx.distributed.Group) -> tuple[int, int]:
     the last ones, whose output every rank then takes (as ``PipelineMixin``)."""
     layers = _layers(model)
     rank, size = group.rank(), group.size()
-    base, extra = divmod(len(layers), size)
-    split = [base + (1 if r < extra else 0) for r in range(size)]
-    start = sum(split[rank + 1 :])
-    end = start + split[rank]
+    start, end = _ranges(len(layers), size)[rank]
     local = layers[start:end]
     _make_stage(
         local[0],
@@ -163,7 +197,53 @@ def _pipeline(model: nn.Module, group: mx.distributed.Group) -> tuple[int, int]:
         _make_stage(local[-1], group, receive_from=None, last=True)
     # Dropped before the weights load: this rank never holds the other layers.
     model.model.layers = local
+    _reindex(model.model, start, end, len(layers))
     return start, end
+
+
+def _attention_flags(layers: list) -> list[bool] | None:
+    """Whether each layer is an attention layer, as hybrid models' layers say
+    (Qwen3.5 and Qwen3-Next, LFM2, Granite 4.0 H); None when they don't."""
+    flags = []
+    for layer in layers:
+        if hasattr(layer, "is_linear"):
+            flags.append(not layer.is_linear)
+        elif hasattr(layer, "is_attention_layer"):
+            flags.append(bool(layer.is_attention_layer))
+        elif hasattr(layer, "layer_type"):
+            flags.append(layer.layer_type == "attention")
+        else:
+            return None
+    return flags
+
+
+def _reindex(inner: nn.Module, start: int, end: int, total: int) -> None:
+    """Point what hybrid and sliding-window models keep by layer position at this
+    rank's layers: gpt-oss's layer kinds, and the cache positions that masks are
+    made from (the first layer of each kind): 0 for gpt-oss's kinds this rank
+    lacks (a mask made and never used), None for the hybrids' (as mlx-lm's
+    ``pipeline()`` sets them for Qwen3.5: no mask is made)."""
+    kinds = getattr(inner, "layer_types", None)
+    if isinstance(kinds, list) and len(kinds) == total:
+        inner.layer_types = kinds = kinds[start:end]
+        for name, kind in (
+            ("swa_idx", "sliding_attention"),
+            ("ga_idx", "full_attention"),
+        ):
+            if hasattr(inner, name):
+                setattr(inner, name, kinds.index(kind) if kind in kinds else 0)
+    flags = _attention_flags(inner.layers)
+    if flags is None:
+        return
+    attention = next((i for i, f in enumerate(flags) if f), None)
+    other = next((i for i, f in enumerate(flags) if not f), None)
+    for name, position in (
+        ("fa_idx", attention),
+        ("ssm_idx", other),
+        ("conv_idx", other),
+    ):
+        if hasattr(inner, name):
+            setattr(inner, name, position)
 
 
 def _make_stage(
@@ -175,6 +255,11 @@ def _make_stage(
     base = type(layer)
     rank = group.rank()
     wire: dict = {}
+    # A probe passes no mask: gpt-oss's layers take one without a default.
+    mask = inspect.signature(base.__call__).parameters.get("mask")
+    probe_args = (
+        {"mask": None} if mask is not None and mask.default is mask.empty else {}
+    )
 
     def wire_dtype(self, h: mx.array) -> mx.Dtype:
         # Stages pass hidden states in the dtype layers settle on (float16
@@ -183,7 +268,7 @@ def _make_stage(
         if key not in wire:
             probe = mx.zeros((1, 1, h.shape[-1]), h.dtype)
             for _ in range(2):
-                probe = base.__call__(self, probe)
+                probe = base.__call__(self, probe, **probe_args)
             wire[key] = probe.dtype
         return wire[key]
 
@@ -201,7 +286,10 @@ def _make_stage(
                 h = mx.distributed.send(h, rank - 1, group=group)
                 # Prefill evaluates only the KV cache: it must carry the send.
                 cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-                if cache is not None:
+                if isinstance(cache, ArraysCache):
+                    # A recurrent layer's state (Qwen3.5's linear attention).
+                    cache[0] = mx.depends(cache[0], h)
+                elif cache is not None:
                     cache.keys = mx.depends(cache.keys, h)
             h = mx.distributed.all_gather(h, group=group)[: h.shape[0]]
         return h

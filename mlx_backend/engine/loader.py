@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from mlx_backend.caches.kinds import make_cache_kinds
+from mlx_backend.caches.kinds import REUSE_BY_TRIM, CacheKinds, make_cache_kinds
 from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
 from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import Decoder
@@ -68,6 +68,9 @@ class Resolved:
     # This rank's share of the model over a group, and the model's layer count.
     sharding: Sharding | None = None
     total_layers: int = 0
+    # The whole model's cache kinds: a pipeline rank's own layers may all trim
+    # while another's need snapshots, and every rank must reuse alike.
+    kinds: CacheKinds | None = None
 
 
 def check_plan(plan: LoadPlan) -> None:
@@ -101,7 +104,8 @@ def resolve(
     draft = None
     if plan.draft:
         draft = load_draft(plan.draft, plan.model_path, loaded, options)
-    return Resolved(plan, loaded, draft, sharding, len(loaded.model.layers))
+    kinds = make_cache_kinds(make_kv_cache(loaded.model, options))
+    return Resolved(plan, loaded, draft, sharding, len(loaded.model.layers), kinds)
 
 
 def check_group_plan(plan: LoadPlan) -> None:
@@ -167,11 +171,17 @@ def prepare(
             options,
             plan.adapters,
         )
-    kinds = make_cache_kinds(make_kv_cache(model, options))
+    kinds = resolved.kinds or make_cache_kinds(make_kv_cache(model, options))
     logger.info("%s", kinds.describe())
     info = replace(info, cache_kinds=kinds)
     store = PromptStore(
-        make_prompt_cache(options, max_cache_bytes, lockstep, resolved.total_layers),
+        make_prompt_cache(
+            options,
+            max_cache_bytes,
+            lockstep,
+            resolved.total_layers,
+            kinds.reuse == REUSE_BY_TRIM,
+        ),
         load_id,
         partial(make_kv_cache, model, options),
         counts,

@@ -146,18 +146,23 @@ def make_prompt_cache(
     max_bytes: int,
     lockstep: Lockstep | None = None,
     total_layers: int = 0,
+    trimmable: bool = True,
 ) -> ThreadSafeLRUPromptCache:
     """The prompt cache of a process, or of a rank of a group: the same bounds and
-    entry sizes on every rank, and rank 0's inserts recorded for the others."""
+    entry sizes on every rank, and rank 0's inserts recorded for the others.
+    ``trimmable`` false (the whole model's state is not reused by trimming): a
+    group's entries are never trimmed, though a pipeline rank's own layers might
+    all trim, so that every rank serves and evicts the same entries."""
     kind = ThreadSafeLRUPromptCache
-    kwargs = {}
+    kwargs = {"can_trim_fn": can_trim_prompt_cache}
     if lockstep is not None:
         kwargs["size_fn"] = lambda kv: pipeline_size_fn(kv, total_layers)
+        if not trimmable:
+            kwargs["can_trim_fn"] = lambda kv: False
         if lockstep.rank == 0:
             kind, kwargs["lockstep"] = LeaderPromptCache, lockstep
     return kind(
         max_size=options.max_cache_entries,
-        can_trim_fn=can_trim_prompt_cache,
         trim_fn=trim_prompt_cache,
         max_bytes=max_bytes,
         **kwargs,

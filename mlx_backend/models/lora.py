@@ -3,6 +3,8 @@
 Each adapted linear computes ``base(x) + sum_i scale_i * s_i * (x @ A_i) @ B_i``, where
 ``s_i`` is ``lora_parameters.scale`` from adapter i's config and ``scale_i`` the scale
 it was given here; fusing adds ``sum_i scale_i * s_i * (A_i @ B_i)^T`` to the weight.
+A mixture's stacked experts (mlx-lm's ``SwitchLinear``, which ``mlx_lm.lora`` adapts
+by default) take one update per expert, as mlx-lm's ``LoRASwitchLinear``.
 """
 
 import json
@@ -15,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlx_backend.errors import InvalidArgument
 
@@ -80,10 +83,72 @@ class MultiLoRALinear(nn.Module):
         return linear
 
 
-def linear_dims(module: nn.Module) -> tuple[int, int] | None:
-    """(input dims, output dims) of a linear layer; None for any other module."""
-    if isinstance(module, MultiLoRALinear):
+class MultiLoRASwitchLinear(nn.Module):
+    """A mixture of experts' stacked linears (mlx-lm's ``SwitchLinear``) plus the
+    low-rank updates of one or more adapters, one update per expert, as mlx-lm's
+    ``LoRASwitchLinear``: lora_a is (experts, rank, inputs), lora_b (experts,
+    outputs, rank)."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base = base
+        self.lora_a: list[mx.array] = []
+        self.lora_b: list[mx.array] = []
+        self.scales: list[float] = []
+
+    def add(self, lora_a: mx.array, lora_b: mx.array, scale: float) -> None:
+        self.lora_a.append(lora_a)
+        self.lora_b.append(lora_b)
+        self.scales.append(scale)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices=False):
+        y = self.base(x, indices, sorted_indices=sorted_indices)
+        for a, b, scale in zip(self.lora_a, self.lora_b, self.scales):
+            z = mx.gather_mm(
+                x,
+                a.swapaxes(-1, -2),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
+            z = mx.gather_mm(
+                z,
+                b.swapaxes(-1, -2),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
+            y = y + (scale * z).astype(x.dtype)
+        return y
+
+    def fused(self) -> nn.Module:
+        """The base experts with every update folded into their weights."""
+        base = self.base
+        quantized = isinstance(base, QuantizedSwitchLinear)
+        weight = base.weight
+        if quantized:
+            mode = getattr(base, "mode", "affine")
+            biases = getattr(base, "biases", None)  # none in mxfp4 (gpt-oss)
+            weight = mx.dequantize(
+                weight, base.scales, biases, base.group_size, base.bits, mode=mode
+            )
+        updates = zip(self.lora_a, self.lora_b, self.scales)
+        delta = sum(scale * (b @ a) for a, b, scale in updates)
+        experts, outputs, inputs = weight.shape
+        switch = SwitchLinear(inputs, outputs, experts, bias="bias" in base)
+        switch.weight = weight + delta.astype(weight.dtype)
+        if "bias" in base:
+            switch.bias = base.bias
+        if quantized:
+            return switch.to_quantized(base.group_size, base.bits, mode=mode)
+        return switch
+
+
+def linear_dims(module: nn.Module) -> tuple[int, ...] | None:
+    """(input dims, output dims) of a linear layer, (experts, input dims, output
+    dims) of a mixture's stacked linears; None for any other module."""
+    if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)):
         module = module.base
+    if isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
+        return module.num_experts, module.input_dims, module.output_dims
     if isinstance(module, nn.QuantizedLinear):
         # Packed weights: each uint32 holds 32 // bits inputs.
         return module.weight.shape[1] * 32 // module.bits, module.weight.shape[0]
@@ -148,8 +213,19 @@ def read_adapter(
         if dims is None:
             found = type(modules[layer]).__name__
             raise AdapterError(f"{misfit} is a {found}, not a linear layer")
+        shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
+        if len(dims) == 3:
+            # Experts: lora_a (experts, rank, inputs), lora_b (experts, outputs, rank).
+            experts, inputs, outputs = dims
+            expected = (experts, a.shape[1], inputs), (experts, outputs, a.shape[1])
+            if a.ndim != 3 or (tuple(a.shape), tuple(b.shape)) != expected:
+                raise AdapterError(
+                    f"{misfit} has {experts} experts of {inputs} inputs and "
+                    f"{outputs} outputs; lora_a and lora_b have shapes {shapes}"
+                )
+            pairs[layer] = (a, b)
+            continue
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-            shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
             raise AdapterError(f"{misfit}: lora_a and lora_b have shapes {shapes}")
         if a.shape[0] != dims[0]:
             raise AdapterError(
@@ -189,16 +265,18 @@ def apply_adapters(
     modules = dict(model.named_modules())
     checked = [(adapter, *read_adapter(adapter, modules)) for adapter in adapters]
 
-    wrappers: dict[str, MultiLoRALinear] = {}
+    wrapped = (MultiLoRALinear, MultiLoRASwitchLinear)
+    wrappers: dict[str, MultiLoRALinear | MultiLoRASwitchLinear] = {}
     for adapter, scale, pairs in checked:
         for layer, (a, b) in pairs.items():
             if layer not in wrappers:
                 module = modules[layer]
-                wrappers[layer] = (
-                    module
-                    if isinstance(module, MultiLoRALinear)
-                    else MultiLoRALinear(module)
-                )
+                if isinstance(module, wrapped):
+                    wrappers[layer] = module
+                elif isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
+                    wrappers[layer] = MultiLoRASwitchLinear(module)
+                else:
+                    wrappers[layer] = MultiLoRALinear(module)
             wrappers[layer].add(a, b, scale)
         logger.info(
             "LoRA adapter %s: %d linears, scale %g", adapter.path, len(pairs), scale
@@ -206,7 +284,7 @@ def apply_adapters(
     if fuse:
         # Wrappers left by an earlier unfused call are folded in as well.
         for name, module in modules.items():
-            if isinstance(module, MultiLoRALinear):
+            if isinstance(module, wrapped):
                 wrappers.setdefault(name, module)
     for layer, wrapper in wrappers.items():
         # One layer at a time, so a fused model's old weights are freed as we go.
