@@ -30,6 +30,11 @@
 9. Chat formats (bench/chat_formats.py): what classifying a reply (calls streamed
    as JSON) costs per token against the server's decode time per token, and decode
    under a ToolChoice "required" grammar against unconstrained decode.
+10. Model families (bench/model_families.py): a random hybrid qwen3_5 (linear
+   attention and full attention) of the default model's size: TTFT per turn of a
+   6-turn chat with prompt snapshots on, off and on mlx_lm.server, the prompt
+   tokens reused and the snapshots' bytes; decode tok/s on a copy workload with
+   speculation auto and off, and its acceptance.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the
@@ -56,6 +61,7 @@ from bench.chat_formats import bench_chat_formats
 from bench.cpu_paths import bench_cpu_paths
 from bench.distributed import bench_distributed
 from bench.memory import bench_memory
+from bench.model_families import bench_model_families
 from bench.overhead import bench_overhead, cpu_header
 from bench.prefix import bench_prefix
 from bench.prompt_cache import bench_prompt_cache
@@ -76,14 +82,16 @@ RESULTS = HERE / "RESULTS.md"
 
 
 @contextmanager
-def running_process(env: dict | None = None, options: tuple[str, ...] = ()):
+def running_process(
+    env: dict | None = None, options: tuple[str, ...] = (), model: str = "default"
+):
     """A backend process with the default model loaded (reloaded with LoadModel
-    ``options`` when given); yields its ``Server``."""
+    ``options``, or replaced by ``model``, when given); yields its ``Server``."""
     server = Server("--model", "default", env=env)
     try:
         server.wait_for_log("startup model", timeout=180)
-        if options:
-            request = pb.ModelOptions(Model="default", Options=list(options))
+        if options or model != "default":
+            request = pb.ModelOptions(Model=model, Options=list(options))
             assert server.stub.LoadModel(request).success
         yield server
     finally:
@@ -91,9 +99,11 @@ def running_process(env: dict | None = None, options: tuple[str, ...] = ()):
 
 
 @contextmanager
-def running_server(env: dict | None = None, options: tuple[str, ...] = ()):
+def running_server(
+    env: dict | None = None, options: tuple[str, ...] = (), model: str = "default"
+):
     """``running_process``'s stub."""
-    with running_process(env, options) as server:
+    with running_process(env, options, model) as server:
         yield server.stub
 
 
@@ -117,7 +127,7 @@ def append_results(path: Path, header: str, parts: list[int], lines: list[str]) 
     the date (UTC), the commit and the machine's ``header``, then ``lines`` fenced."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ran = ", ".join(map(str, parts))
-    which = "all" if parts == list(range(1, 10)) else ran
+    which = "all" if parts == list(range(1, 11)) else ran
     tables = "\n".join(line.rstrip() for line in lines).strip("\n")
     section = [
         "",
@@ -151,10 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format-rounds", type=int, default=3)
     parser.add_argument("--distributed-rounds", type=int, default=1)
     parser.add_argument("--distributed-tokens", type=int, default=32)
+    parser.add_argument("--families-rounds", type=int, default=1)
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 10)),
+        default=set(range(1, 11)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -252,6 +263,11 @@ def main(argv: list[str] | None = None) -> None:
                 fresh, running_server, args.memory_rounds, args.memory_tokens
             )
             lines += [""] + part
+        if 10 in parts:
+            report["model_families"], part = bench_model_families(
+                running_server, folder, args.families_rounds
+            )
+            lines += [""] + part
     if 7 in parts:
         # After the other parts' servers are gone: each rank wants the cores.
         report["distributed"], part = bench_distributed(
@@ -265,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
     if not args.no_results:
         linux = sys.platform == "linux"  # part 2 runs on Linux only
-        ran = [n for n in range(1, 10) if n in parts and (n != 2 or linux)]
+        ran = [n for n in range(1, 11) if n in parts and (n != 2 or linux)]
         append_results(RESULTS, header, ran, lines)
         sys.stdout.write(f"appended to {RESULTS}\n")
 
