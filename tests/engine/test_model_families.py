@@ -202,15 +202,16 @@ def test_speculation_rolls_back_rejected_proposals(family):
     prompt = family.ask(REPETITIVE)
     reference = family.reference(prompt, 40)
 
+    rollback = status.get("prompt_reuse_by.snapshot", 0) == 1
+
     def speculate(model, options):
-        inner = family.engine.served.decoder._inner
         decoder = SpeculativeDecoder(
-            BatchDecoder(model, options, inner.capabilities.trimmable_cache),
+            BatchDecoder(model, options, not rollback),
             model,
             6,
             lambda: Oracle(prompt, reference),
             costs=FLAT,
-            rollback=status.get("prompt_reuse_by.snapshot", 0) == 1,
+            rollback=rollback,
         )
         cache = make_kv_cache(model, options)
         key = decoder.add(
