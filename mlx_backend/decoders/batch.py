@@ -168,7 +168,8 @@ class BatchDecoder(Decoder):
         return None if state is None else KVState(*state)
 
     def take_pending(self, key: int) -> Pending | None:
-        # The step that returned a row's last token also sampled its next one.
+        # The step that returned a row's last token also sampled its next one:
+        # mlx-lm 0.32's GenerationBatch holds it until its next step.
         generation = self._batch._generation_batch
         if key not in self._rows or key not in generation.uids:
             return None
