@@ -33,8 +33,9 @@
 10. Model families (bench/model_families.py): a random hybrid qwen3_5 (linear
    attention and full attention) of the default model's size: TTFT per turn of a
    6-turn chat with prompt snapshots on, off and on mlx_lm.server, the prompt
-   tokens reused and the snapshots' bytes; decode tok/s on a copy workload with
-   speculation auto and off, and its acceptance.
+   tokens reused and the snapshots' bytes, for a chat and an agent's tool loop;
+   decode tok/s on a copy workload with speculation auto and off, and its
+   acceptance; speculation with rollback in-process (bench/rollback.py).
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the

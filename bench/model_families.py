@@ -18,12 +18,15 @@ the same tokens.
   16 tokens greedy with EOS banned: time to first token per turn on the three
   servers, in lockstep, each first in turn; the prompt tokens the backend reused
   (Status ``prompt_cache_reused_tokens``) and mlx_lm.server's ``cached_tokens``;
-  the prompt cache's entries and bytes after the last chat.
+  the prompt cache's entries and bytes after the last chat. The same again as an
+  agent's tool loop: tool results, each reply sent back as a tool call rendered
+  from its parsed form, so only the prompt-end snapshot serves the next turn.
 - Speculation: part 6's copy prompt (~250 tokens of code to return with one
   line fixed), 96 tokens greedy with EOS banned: decode tok/s with speculation
   auto (n-gram prompt lookup) and off, and the proposed and accepted tokens. The
   weights are random: the model doesn't copy, so prompt lookup finds only what
-  its output happens to share with the prompt or repeat of itself.
+  its output happens to share with the prompt or repeat of itself. What a model
+  that copies would get is measured in-process (``bench/rollback.py``).
 
 Llama-family models are parts 1 and 4's: this part doesn't run them again.
 """
@@ -42,22 +45,15 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mlx_lm.utils import load as mlx_lm_load
 
 import backend_pb2 as pb
 from bench.batching import grpc_stream, mlx_lm_server
 from bench.overhead import cpu_header
+from bench.rollback import rollback_lines, rollback_speculation
 from bench.speculative import COPY, decode_rate
-from mlx_backend.cpu.compute_path import CPU_PREFILL_STEP_SIZE
-from mlx_backend.decoders.base import NewSequence
-from mlx_backend.decoders.batch import BatchDecoder
-from mlx_backend.decoders.speculative import SpeculativeDecoder, measure_verify_costs
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
-from mlx_utils import make_kv_cache
-from python_utils import parse_options
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +69,6 @@ CACHE_FIGURES = ("entries", "bytes")
 # A chat whose replies come back as written, and an agent's tool loop, whose
 # calls come back rendered again from their parsed form.
 SCENARIOS = ("chat", "agent")
-# Speculation with rollback: the oracle's proposals are wrong every this many tokens.
-ORACLE_MISSES = (10, 50)
 
 # The backend's sides of the chat: LoadModel options.
 BACKENDS = {
@@ -373,93 +367,6 @@ def copy_run(stub) -> tuple[float, int, int]:
     )
 
 
-class Oracle:
-    """Proposes the model's own greedy continuation with every ``miss``-th proposal
-    wrong: the acceptance a model that copies its prompt would see, on weights
-    that don't copy."""
-
-    cheap = True
-
-    def __init__(self, known: list[int], miss: int):
-        self.known, self.miss = known, miss
-
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        ahead = self.known[len(tokens) : len(tokens) + limit]
-        n = len(tokens)
-        return [t + 1 if (n + i) % self.miss == 0 else t for i, t in enumerate(ahead)]
-
-    def rewind(self, accepted: int, proposed: int) -> None:
-        pass
-
-
-def rollback_speculation(folder: Path, tokenizer, rounds: int) -> dict:
-    """In-process, on the hybrid: decode tok/s of ``COPY_TOKENS`` greedy tokens
-    plainly and speculating with ``Oracle`` proposals (every 10th token wrong, and
-    every 50th, as a copy that strays now and then), which verify and roll back
-    the recurrent state as n-gram proposals would; the verify costs measured as
-    the server measures them at load."""
-    model, _ = mlx_lm_load(str(folder))
-    prompt = tuple(tokenizer.encode(COPY))
-    # The CPU path's prefill chunk, as the server's load sets it.
-    options = parse_options([f"prefill_step_size:{CPU_PREFILL_STEP_SIZE}"])
-    plain = BatchDecoder(model, options, trimmable=False)
-    known = list(prompt) + drive_lone(plain, model, options, prompt, 0)[0]
-    costs, _ = measure_verify_costs(model, 8)
-    sides = ("plain", *(f"miss {n}" for n in ORACLE_MISSES))
-    rates: dict = {name: [] for name in sides}
-    counts = {name: [0, 0] for name in sides}
-    for r in range(2 * rounds):
-        for name in sides[:: 1 if r % 2 else -1]:
-            decoder = BatchDecoder(model, options, trimmable=False)
-            if name != "plain":
-                miss = int(name.split()[1])
-                decoder = SpeculativeDecoder(
-                    decoder,
-                    model,
-                    8,
-                    partial(Oracle, known, miss),
-                    costs=costs,
-                    rollback=True,
-                )
-            tokens, seconds = drive_lone(decoder, model, options, prompt, 8)
-            if tokens != known[len(prompt) :]:
-                raise RuntimeError("speculation changed the greedy tokens")
-            rates[name].append((len(tokens) - 1) / seconds)
-            counts[name][0] += decoder.draft_proposed
-            counts[name][1] += decoder.draft_accepted
-    return {
-        "tok_s": {name: statistics.median(rates[name]) for name in sides},
-        "proposed_accepted": counts,
-        "costs": costs,
-    }
-
-
-def drive_lone(decoder, model, options, prompt, draft_tokens: int):
-    """One greedy sequence to ``COPY_TOKENS`` tokens (EOS banned); its tokens and
-    the seconds from its first token to its last."""
-    decoder.add(
-        NewSequence(
-            prompt,
-            prompt,
-            make_kv_cache(model, options),
-            greedy_sampler,
-            [lambda _, logits: logits.at[:, EOS].add(-1e9)],
-            COPY_TOKENS,
-            draft_tokens=draft_tokens,
-        )
-    )
-    tokens, done, start = [], False, None
-    while not done:
-        for result in decoder.step():
-            if result.tokens and start is None:
-                start = time.perf_counter()
-            tokens += result.tokens
-            done = result.done
-    seconds = time.perf_counter() - start
-    decoder.close()
-    return tokens, seconds
-
-
 def bench_model_families(
     start_server, folder: str, rounds: int
 ) -> tuple[dict, list[str]]:
@@ -504,7 +411,8 @@ def bench_model_families(
                 copy_runs[name].append(copy_run(stub))
         speculates = status(on)["speculative_decoding"]
     # After the servers are gone: the cores are the measurement's alone.
-    rollback = rollback_speculation(model, tokenizer, rounds)
+    prompt = tuple(tokenizer.encode(COPY))
+    rollback = rollback_speculation(model, prompt, COPY_TOKENS, EOS, rounds)
     report = {
         "model": HYBRID_CONFIG,
         "kv_cache_layers": {
@@ -646,26 +554,5 @@ def format_lines(report: dict, figures: dict, rounds: int) -> list[str]:
         f"| draft tokens accepted / proposed (speculative_decoding "
         f"{copy['speculative_decoding']}) | {shown} | |",
     ]
-    rollback = report["rollback_speculation"]
-    costs = ", ".join(f"{c:.2f}" for c in rollback["costs"][1:])
-    plain = rollback["tok_s"]["plain"]
-    lines += [
-        "",
-        "In-process, the same prompt: proposals from the model's own greedy "
-        "continuation with every 10th or every 50th token wrong (what a model that "
-        "copies would be offered), verified, and rolled back over the recurrent "
-        f"state as n-gram proposals are; a pass over 1+k tokens costs {costs} times "
-        f"one (k = 1..8). Plain decode: {plain:.1f} tok/s.",
-        "",
-        "| speculation with rollback | tok/s | on / off | accepted / proposed | goal |",
-        "|---|---|---|---|---|",
-    ]
-    for name, rate in rollback["tok_s"].items():
-        if name == "plain":
-            continue
-        proposed, accepted = rollback["proposed_accepted"][name]
-        lines.append(
-            f"| {name} | {rate:.1f} | {rate / plain:.2f}x | {accepted}/{proposed} "
-            f"| ≥ 1.5x |"
-        )
+    lines += [""] + rollback_lines(report["rollback_speculation"])
     return lines
