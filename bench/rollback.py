@@ -14,7 +14,11 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_backend.cpu.compute_path import CPU_PREFILL_STEP_SIZE
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
-from mlx_backend.decoders.speculative import SpeculativeDecoder, measure_verify_costs
+from mlx_backend.decoders.speculative import (
+    SpeculativeDecoder,
+    measure_verify_costs,
+    replay_room,
+)
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
 
@@ -55,7 +59,9 @@ def rollback_speculation(
     lone = partial(lone, max_tokens=max_tokens, eos=eos)
     plain = BatchDecoder(model, options, trimmable=False)
     known = list(prompt) + lone(plain, draft_tokens=0)[0]
-    costs, _ = measure_verify_costs(model, DRAFT_TOKENS)
+    costs, _ = measure_verify_costs(
+        model, DRAFT_TOKENS, replay=replay_room(DRAFT_TOKENS)
+    )
     sides = ("plain", *(f"miss {n}" for n in ORACLE_MISSES))
     rates: dict = {name: [] for name in sides}
     counts = {name: [0, 0] for name in sides}

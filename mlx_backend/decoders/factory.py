@@ -11,11 +11,11 @@ from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.measured import measured_once
 from mlx_backend.decoders.single import SingleDecoder
+from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
 from mlx_backend.decoders.speculative import (
-    DraftProposer,
-    NgramProposer,
     SpeculativeDecoder,
     measure_verify_costs,
+    replay_room,
 )
 from mlx_utils import make_kv_cache, model_signature, unbatchable_reason
 from python_utils import LoadOptions
@@ -68,10 +68,11 @@ def make_decoder(
         draft = None
     max_draft = max(options.num_draft_tokens, 8)
     drafting = draft if options.speculative != "ngram" else None
+    replay = replay_room(max_draft) if rollback else 0
     costs, per_proposal = measured_once(
         model,
-        ("verify costs", max_draft, drafting and model_signature(drafting, {})),
-        partial(measure_verify_costs, model, max_draft, drafting),
+        ("verify costs", max_draft, replay, drafting and model_signature(drafting, {})),
+        partial(measure_verify_costs, model, max_draft, drafting, replay),
     )
     if draft is not None and options.speculative in ("auto", "draft"):
         proposer = "the draft model"
@@ -85,8 +86,13 @@ def make_decoder(
         "tokens costs %s times one token (k = 1..%d), a proposal %.2f",
         proposer,
         options.num_draft_tokens,
-        ", rejected proposals rolled back to held window and state" if rollback else "",
-        ", ".join(f"{c:.2f}" for c in costs[1:]),
+        (
+            ", rejected proposals rolled back to held window and state, the kept "
+            "tokens run again in front of the next pass"
+            if rollback
+            else ""
+        ),
+        ", ".join(f"{c:.2f}" for c in costs[1 : max_draft + 1]),
         max_draft,
         per_proposal,
     )

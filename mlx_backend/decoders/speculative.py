@@ -16,9 +16,10 @@ Sliding windows and recurrent state can't be trimmed back past rejected
 proposals (``rollback``). Their layers are held (the window or the state: a
 fixed size, whatever the length) before each verification; when a proposal is
 rejected, the growing layers are trimmed past every verified token, the held
-layers restored, and the kept tokens run again. A sequence leaves the batch with
-the token the batch already sampled, since its KV state can't give the last one
-back either.
+layers restored, and the kept tokens run again at the front of the next
+verification, which costs less than a pass of their own. A sequence leaves the
+batch with the token the batch already sampled, since its KV state can't give
+the last one back either.
 """
 
 import copy
@@ -45,6 +46,7 @@ from mlx_backend.decoders.base import (
     StepResult,
     thread_stream,
 )
+from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
 from mlx_backend.sampling import SeededSampler
 from mlx_utils import gather_logprobs
 
@@ -63,91 +65,17 @@ ACCEPTANCE_DECAY = 0.9
 LEAVE_COST = 1.0
 
 
-class NgramProposer:
-    """Prompt lookup over a sequence's tokens (prompt and output).
-
-    Each n-gram maps to where the tokens that followed its latest occurrence start,
-    so a proposal costs a few dictionary lookups whatever the sequence's length.
-    """
-
-    # Proposals cost nothing: they can be checked against plain decoding's tokens.
-    cheap = True
-
-    def __init__(self, n_min: int, n_max: int):
-        self._sizes = range(n_max, n_min - 1, -1)
-        self._index: dict[tuple[int, ...], int] = {}
-        self._indexed = 0
-
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens to follow ``tokens`` (which only ever grows)."""
-        for end in range(self._indexed, len(tokens)):
-            # The n-grams that end just before ``end`` are followed by it.
-            for n in self._sizes:
-                if end >= n:
-                    self._index[tuple(tokens[end - n : end])] = end
-        self._indexed = len(tokens)
-        for n in self._sizes:
-            start = self._index.get(tuple(tokens[-n:]))
-            if start is not None and len(tokens) >= n:
-                return tokens[start : start + limit]
-        return []
-
-    def rewind(self, accepted: int, proposed: int) -> None:
-        pass
-
-
-class DraftProposer:
-    """Greedy proposals from a small model with the model's vocabulary.
-
-    It keeps its own KV cache of the sequence, catches up on tokens it has not
-    seen (while the sequence decoded in the batch), and is rewound past the
-    proposals the model rejected.
-    """
-
-    cheap = False
-
-    def __init__(self, model: nn.Module, prefill_step_size: int):
-        self._model = model
-        self._step_size = prefill_step_size
-        self._cache: list | None = None
-        # Tokens of the sequence in the draft's KV cache, and proposals fed to it.
-        self._fed = 0
-        self._proposed = 0
-
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        if limit < 1:
-            return []
-        if self._cache is None:
-            self._cache = make_prompt_cache(self._model)
-        unseen = tokens[self._fed : -1]
-        for start in range(0, len(unseen), self._step_size):
-            chunk = mx.array(unseen[start : start + self._step_size])
-            self._model(chunk[None], cache=self._cache)
-            mx.eval([c.state for c in self._cache])
-        y = mx.array(tokens[-1:])
-        proposals = []
-        for _ in range(limit):
-            y = mx.argmax(self._model(y[None], cache=self._cache)[0, -1:], axis=-1)
-            mx.async_eval(y)
-            proposals.append(y)
-        # Fed: the sequence and every proposal but the last.
-        self._fed, self._proposed = len(tokens), limit - 1
-        return mx.concatenate(proposals).tolist()
-
-    def rewind(self, accepted: int, proposed: int) -> None:
-        """Keep the accepted proposals in the draft's KV cache, drop the rest."""
-        kept = min(accepted, self._proposed)
-        trim_prompt_cache(self._cache, self._proposed - kept)
-        self._fed += kept
-        self._proposed = 0
-
-
 def measure_verify_costs(
-    model: nn.Module, max_draft: int, draft: nn.Module | None = None, repeats: int = 2
+    model: nn.Module,
+    max_draft: int,
+    draft: nn.Module | None = None,
+    replay: int = 0,
+    repeats: int = 2,
 ) -> tuple[tuple[float, ...], float]:
     """What a forward pass over 1 + k tokens costs relative to one token, for k
-    up to ``max_draft`` (measured on this machine with the loaded model at a few
-    k, linear between them); and what one token's pass of ``draft`` costs."""
+    up to ``max_draft`` proposals plus ``replay`` tokens run again (measured on
+    this machine with the loaded model at a few k, linear between them); and what
+    one token's pass of ``draft`` costs."""
 
     def seconds(net: nn.Module, cache: list, n: int) -> float:
         samples = []
@@ -160,12 +88,11 @@ def measure_verify_costs(
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, 32), mx.uint32), cache=cache))
-    measured = {
-        k: seconds(model, cache, k + 1) for k in sorted({0, 1, 2, 4, max_draft})
-    }
-    points = sorted(measured)
+    longest = max_draft + replay
+    points = sorted({0, 1, 2, 4, max_draft, longest})
+    measured = {k: seconds(model, cache, k + 1) for k in points}
     costs = []
-    for k in range(max_draft + 1):
+    for k in range(longest + 1):
         above = next(p for p in points if p >= k)
         below = max(p for p in points if p <= k)
         share = 0 if above == below else (k - below) / (above - below)
@@ -210,9 +137,21 @@ def roll_back(cache: list, held: list, fed: int) -> None:
 
 def replay_cost(rate: float, k: int, costs: tuple[float, ...]) -> float:
     """The expected cost, in single-token passes, of running the kept tokens again
-    after a rejection among ``k`` proposals: ``a`` accepted means a pass over
-    ``1 + a`` tokens."""
-    return sum(rate**a * (1 - rate) * costs[a] for a in range(k))
+    after a rejection among ``k`` proposals: ``a`` accepted means ``1 + a`` more
+    tokens at the front of the next pass (taken as one over 1 + k), or a pass of
+    their own where the measured passes are not that long."""
+    total = 0.0
+    for a in range(k):
+        n = a + 1
+        extra = costs[k + n] - costs[k] if k + n < len(costs) else costs[n - 1]
+        total += rate**a * (1 - rate) * extra
+    return total
+
+
+def replay_room(max_draft: int) -> int:
+    """The kept tokens a rollback verification may run again in front of its
+    proposals: those of two rejections in a row."""
+    return 2 * max_draft
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -227,15 +166,17 @@ def best_draft_length(
     available: int,
     per_proposal: float = 0.0,
     rollback: bool = False,
+    replay: int = 0,
 ) -> int:
     """How many of ``available`` proposals to verify for the most tokens per
     second (0: none), when each holds with probability ``rate``, a pass over
     1 + k tokens costs ``costs[k]`` single-token passes, making a proposal costs
     ``per_proposal`` of one, and with ``rollback`` a rejection runs the kept
-    tokens again."""
+    tokens again. ``replay`` tokens run again go first, whatever is verified:
+    a proposal is weighed by what it adds to that pass."""
     best, best_gain = 0, MIN_GAIN
-    for k in range(1, min(available, len(costs) - 1) + 1):
-        cost = costs[k] + k * per_proposal
+    for k in range(1, min(available, len(costs) - 1 - replay) + 1):
+        cost = 1 + costs[replay + k] - costs[replay] + k * per_proposal
         if rollback:
             cost += replay_cost(rate, k, costs)
         gain = expected_tokens(rate, k) / cost
@@ -263,11 +204,18 @@ class _SpeculativeRow:
     # Rollback: the token the batch sampled as the sequence left it, and its
     # logprobs, reported with the first lone step.
     unreported: tuple[int, mx.array] | None = None
+    # Rollback: kept tokens before the last that the KV cache lacks after a
+    # rejection; the next pass runs them first.
+    replay: list[int] = field(default_factory=list)
     backoff_until: int = 0
     backoff: int = FIRST_BACKOFF_TOKENS
 
     def __post_init__(self):
         self.reset_estimate()
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens the KV cache of the lone sequence holds."""
+        return self.tokens[: len(self.tokens) - 1 - len(self.replay)]
 
     def reset_estimate(self) -> None:
         """The prior: a cheap proposer's guesses are checked for free while the
@@ -312,7 +260,10 @@ class SpeculativeDecoder(Decoder):
         self._lone_tokens = 0
         self.capabilities = inner.capabilities
         if costs is None:
-            costs, per_proposal = measure_verify_costs(model, max(num_draft_tokens, 8))
+            max_draft = max(num_draft_tokens, 8)
+            costs, per_proposal = measure_verify_costs(
+                model, max_draft, replay=replay_room(max_draft) if rollback else 0
+            )
         self.costs, self.per_proposal = costs, per_proposal
 
     # Decode steps and their tokens: the inner decoder's and the lone sequence's.
@@ -375,7 +326,7 @@ class SpeculativeDecoder(Decoder):
             del self._by_inner[row.inner]
             return self._inner.remove(row.inner, keep_state)
         self._lone = None
-        return KVState(row.kv_cache, row.tokens[:-1]) if keep_state else None
+        return KVState(row.kv_cache, row.cached_tokens()) if keep_state else None
 
     def reset(self) -> None:
         self._forget()
@@ -460,14 +411,14 @@ class SpeculativeDecoder(Decoder):
             replace(
                 sequence,
                 prompt=tuple(row.tokens),
-                rest=(row.tokens[-1],),
+                rest=(*row.replay, row.tokens[-1]),
                 kv_cache=row.kv_cache,
                 max_tokens=sequence.max_tokens - row.generated,
                 snapshots=(),
             )
         )
         self._by_inner[row.inner] = self._lone
-        row.kv_cache = None
+        row.kv_cache, row.replay = None, []
         self._lone = None
 
     # -- speculation --------------------------------------------------------
@@ -477,7 +428,12 @@ class SpeculativeDecoder(Decoder):
         remaining = row.sequence.max_tokens - row.generated
         limit = min(row.sequence.draft_tokens, remaining - 1)
         return best_draft_length(
-            row.acceptance, self.costs, limit, self.per_proposal, self._rollback
+            row.acceptance,
+            self.costs,
+            limit,
+            self.per_proposal,
+            self._rollback,
+            len(row.replay),
         )
 
     def _speculate(self, key: int, row: _SpeculativeRow) -> StepResult | None:
@@ -505,14 +461,17 @@ class SpeculativeDecoder(Decoder):
         )
         emitted = tokens[: accepted + 1]
         row.proposer.rewind(accepted, len(draft))
-        # The cache holds the last token and every proposal; keep the accepted ones.
+        # The cache holds the replay, the last token and every proposal; keep the
+        # accepted ones.
         if held is not None and accepted < len(draft):
-            roll_back(row.kv_cache, held, len(draft) + 1)
-            kept = mx.array([row.tokens[-1], *draft[:accepted]])
-            self._model(kept[None], cache=row.kv_cache)
-            mx.eval([layer.state for layer in row.kv_cache])
+            roll_back(row.kv_cache, held, len(row.replay) + len(draft) + 1)
+            row.replay += [row.tokens[-1], *draft[:accepted]]
+            if len(row.replay) > len(self.costs) - 2:
+                # No room left for a proposal in front of it: it runs now.
+                self._run_replay(row)
         else:
             trim_prompt_cache(row.kv_cache, len(draft) - accepted)
+            row.replay = []
         row.tokens.extend(emitted)
         row.generated += len(emitted)
         if isinstance(sequence.sampler, SeededSampler):
@@ -549,7 +508,7 @@ class SpeculativeDecoder(Decoder):
         done = row.generated >= sequence.max_tokens
         state = None
         if done:
-            state = KVState(row.kv_cache, row.tokens[:-1])
+            state = KVState(row.kv_cache, row.cached_tokens())
             del self._rows[key]
             self._lone = None
         elif row.inner is None and self._best_length(row) == 0:
@@ -570,15 +529,16 @@ class SpeculativeDecoder(Decoder):
         """The model's token at the last token and after each proposal, sampled with
         the request's processors and sampler; and their log probabilities."""
         sequence = row.sequence
-        inputs = [row.tokens[-1], *draft]
+        inputs = [*row.replay, row.tokens[-1], *draft]
         logits = self._model(mx.array(inputs)[None], cache=row.kv_cache)[0]
+        logits = logits[len(row.replay) :]
         if sequence.processors:
             # Each position sees the tokens before it (penalties look back
             # ``history`` tokens), as plain decoding would have shown it.
             context = mx.array(row.tokens[-sequence.history :] + draft)
             head = min(len(row.tokens), sequence.history)
             rows = []
-            for i in range(len(inputs)):
+            for i in range(1 + len(draft)):
                 position = logits[i : i + 1]
                 for processor in sequence.processors:
                     position = processor(context[: head + i], position)
@@ -591,3 +551,8 @@ class SpeculativeDecoder(Decoder):
         tokens = sampler(logprobs)
         mx.eval(tokens, logprobs)
         return tokens.tolist(), logprobs
+
+    def _run_replay(self, row: _SpeculativeRow) -> None:
+        self._model(mx.array(row.replay)[None], cache=row.kv_cache)
+        mx.eval([layer.state for layer in row.kv_cache])
+        row.replay = []

@@ -15,7 +15,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
-from mlx_backend.decoders.speculative import NgramProposer, SpeculativeDecoder
+from mlx_backend.decoders.proposers import NgramProposer
+from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.loading import LoadPlan, ModelLoadError, default_model_path

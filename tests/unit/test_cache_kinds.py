@@ -120,12 +120,27 @@ def test_roll_back_restores_windows_and_state_and_trims_the_rest():
     assert contents(cache) == contents(fresh)
 
 
-def test_rollback_costs_the_kept_tokens_run_again():
+def test_rollback_runs_the_kept_tokens_again_in_front_of_the_next_pass():
     costs = (1.0, 1.5, 2.0, 2.5)
     rate = 0.5
-    # Accepting a of 2 proposals (a < 2) runs 1 + a tokens again.
-    assert replay_cost(rate, 2, costs) == pytest.approx(0.5 * 1.0 + 0.25 * 1.5)
-    # At even odds a rejected run costs what the kept tokens gain.
-    assert best_draft_length(rate, FLAT, 8) > 0
-    assert best_draft_length(rate, FLAT, 8, rollback=True) == 0
-    assert best_draft_length(0.9, FLAT, 8, rollback=True) > 0
+    # Accepting a of 2 proposals (a < 2) puts 1 + a tokens in front of the next
+    # pass: one more token there costs 2.5 - 2.0; two don't fit the measured
+    # passes and take a pass of their own.
+    assert replay_cost(rate, 2, costs) == pytest.approx(0.5 * 0.5 + 0.25 * 1.5)
+    # Where a longer pass costs no more, running the kept tokens again is free.
+    assert replay_cost(rate, 2, FLAT) == 0
+    # Each token in a pass costs a fifth of one: at 0.6 a rejected run costs
+    # more than the kept tokens gain, at 0.9 it pays for fewer proposals.
+    steep = tuple(1 + 0.2 * k for k in range(25))
+    assert best_draft_length(0.6, steep, 8) > 0
+    assert best_draft_length(0.6, steep, 8, rollback=True) == 0
+    assert 0 < best_draft_length(0.9, steep, 8, rollback=True) < 7
+
+
+def test_a_replay_leaves_room_for_fewer_proposals_and_weighs_what_they_add():
+    steep = tuple(1 + 0.1 * k for k in range(25))
+    assert best_draft_length(0.99, steep, 8, rollback=True, replay=20) == 4
+    # What the replay costs is spent whatever is verified: a long one doesn't
+    # make proposals dearer.
+    alone = best_draft_length(0.9, steep, 8, rollback=True)
+    assert best_draft_length(0.9, steep, 8, rollback=True, replay=10) == alone

@@ -12,11 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
-from mlx_backend.decoders.speculative import (
-    NgramProposer,
-    SpeculativeDecoder,
-    best_draft_length,
-)
+from mlx_backend.decoders.proposers import NgramProposer
+from mlx_backend.decoders.speculative import SpeculativeDecoder, best_draft_length
 from mlx_backend.sampling import make_seeded_sampler
 from python_utils import LoadOptions
 from tests.tiny_models import FLAT, TINY_LLAMA
