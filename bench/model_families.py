@@ -398,10 +398,12 @@ def bench_model_families(
             name: {key: status(stub)[f"prompt_cache_{key}"] for key in CACHE_FIGURES}
             for name, stub in stubs.items()
         }
-        # Speculation: the snapshots-off server, reloaded without speculation.
+        # Speculation: both reloaded (an empty prompt cache), the snapshots-off
+        # server without speculation.
         on, off = stubs["on"], stubs["off"]
-        request = pb.ModelOptions(Model=str(model), Options=["speculative:off"])
-        assert off.LoadModel(request).success
+        for stub, options in ((on, []), (off, ["speculative:off"])):
+            request = pb.ModelOptions(Model=str(model), Options=options)
+            assert stub.LoadModel(request).success
         copy_runs: dict = {"auto": [], "off": []}
         for stub in (on, off):
             copy_run(stub)  # warm up

@@ -120,7 +120,7 @@ def drive_lone(
 
 
 def rollback_lines(rollback: dict) -> list[str]:
-    costs = ", ".join(f"{c:.2f}" for c in rollback["costs"][1:])
+    costs = ", ".join(f"{c:.2f}" for c in rollback["costs"][1 : DRAFT_TOKENS + 1])
     plain = rollback["tok_s"]["plain"]
     misses = " or every ".join(f"{n}th" for n in ORACLE_MISSES)
     lines = [
