@@ -64,6 +64,7 @@ FIRST_TOKENS = 2300
 USER_TOKENS = 130
 REPLY_TOKENS = 16
 COPY_TOKENS = 96
+COPY_PACING = "cpu_pacing:off"
 SEED = 38
 CACHE_FIGURES = ("entries", "bytes")
 # A chat whose replies come back as written, and an agent's tool loop, whose
@@ -398,10 +399,12 @@ def bench_model_families(
             name: {key: status(stub)[f"prompt_cache_{key}"] for key in CACHE_FIGURES}
             for name, stub in stubs.items()
         }
-        # Speculation: both reloaded (an empty prompt cache), the snapshots-off
-        # server without speculation.
+        # Speculation: both reloaded (an empty prompt cache) with the same step
+        # pacing, which each load would otherwise measure and choose on its own;
+        # the snapshots-off server without speculation.
         on, off = stubs["on"], stubs["off"]
         for stub, options in ((on, []), (off, ["speculative:off"])):
+            options = [*options, COPY_PACING]
             request = pb.ModelOptions(Model=str(model), Options=options)
             assert stub.LoadModel(request).success
         copy_runs: dict = {"auto": [], "off": []}
@@ -547,8 +550,8 @@ def format_lines(report: dict, figures: dict, rounds: int) -> list[str]:
     )
     lines += [
         "",
-        f"| copy workload (part 6's prompt), {COPY_TOKENS} tokens, median of "
-        f"{2 * rounds} runs | value | goal |",
+        f"| copy workload (part 6's prompt), {COPY_TOKENS} tokens, {COPY_PACING}, "
+        f"median of {2 * rounds} runs | value | goal |",
         "|---|---|---|",
         f"| decode tok/s, speculation auto / off ({copy['auto_tok_s']:.1f} / "
         f"{copy['off_tok_s']:.1f}) | {copy['auto_tok_s'] / copy['off_tok_s']:.2f}x "

@@ -23,6 +23,9 @@ from pathlib import Path
 import grpc
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load as load_mlx_lm
 
 import backend_pb2 as pb
 import backend_pb2_grpc
@@ -30,6 +33,7 @@ from backend import BackendServicer
 from mlx_backend.cpu.blas import blas_choice_environment, fast_blas_in_use
 from mlx_backend.models.loading import ModelInfo, default_model_path
 from mlx_backend.request_parsing import GenerationRequest
+from tests.family_models import WINDOW
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
@@ -43,6 +47,8 @@ STARTUP_TIMEOUT = 120.0
 # The default model by path, so it has a name for ModelIdentity checks.
 MODEL = str(default_model_path())
 AUTH = (("authorization", "Bearer s3cret"),)
+# The system message of the family chats over gRPC.
+TRAINS = "You answer questions about the trains from Lyon to Geneva and back. " * 2
 
 
 def backend_environment() -> dict:
@@ -194,6 +200,58 @@ def chat(text=QUESTION, **fields):
 def stream_texts(stub, request, **kwargs):
     replies = list(stub.PredictStream(request, **kwargs))
     return [r.message.decode() for r in replies], replies[-1]
+
+
+def check_a_chat_reuses_its_first_turn(stub, folder: Path) -> dict[str, int]:
+    """Two turns of a chat about trains, sent as LocalAI sends them (Messages
+    through the chat template): each streams mlx-lm's greedy text for ``folder``,
+    and the second reuses more than 80% of the first's prompt from the prompt
+    cache. The Status breakdown after them."""
+    model, tokenizer = load_mlx_lm(str(folder))
+
+    def reference(messages: list[dict]) -> tuple[int, str]:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tokens = []
+        for token, _ in generate_step(
+            mx.array(prompt), model, max_tokens=10, sampler=make_sampler(0.0)
+        ):
+            if token in tokenizer.eos_token_ids:
+                break
+            tokens.append(token)
+        return len(prompt), tokenizer.decode(tokens)
+
+    def streamed(messages: list[dict]) -> str:
+        request = pb.PredictOptions(
+            UseTokenizerTemplate=True,
+            Messages=[
+                pb.Message(role=m["role"], content=m["content"]) for m in messages
+            ],
+            Tokens=10,
+            Temperature=0.0,
+        )
+        replies = stub.PredictStream(request, timeout=60)
+        return b"".join(r.message for r in replies).decode()
+
+    def breakdown() -> dict[str, int]:
+        return dict(stub.Status(pb.HealthMessage()).memory.breakdown)
+
+    messages = [
+        {"role": "system", "content": TRAINS},
+        {"role": "user", "content": "When does the first train leave on Sunday?"},
+    ]
+    first, expected = reference(messages)
+    assert first > 2 * WINDOW
+    reply = streamed(messages)
+    assert reply == expected
+    before = breakdown()["prompt_cache_reused_tokens"]
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And the last one back?"},
+    ]
+    assert streamed(messages) == reference(messages)[1]
+    figures = breakdown()
+    assert figures["prompt_cache_reused_tokens"] - before > 0.8 * first
+    return figures
 
 
 def error_of(call, *args, **kwargs) -> grpc.RpcError:
