@@ -47,11 +47,16 @@ TOPICS = (
 
 @dataclass
 class Stream:
-    """One streamed reply: when it started, when each chunk came, how many tokens."""
+    """One streamed reply: when it started, when each chunk came, how many tokens;
+    its text, and the prompt's tokens and those the server had cached (as
+    mlx_lm.server reports them; 0 from the backend, whose Status counts them)."""
 
     start: float
     arrivals: list[float]
     tokens: int
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def prompt_for(level: int, round: int, i: int) -> str:
@@ -74,11 +79,14 @@ def grpc_stream(stub, prompt: str | list[dict], tokens: int, eos: int) -> Stream
         LogitBias=json.dumps({str(eos): -1e9}),
     )
     start = time.perf_counter()
-    arrivals = []
+    arrivals, chunks, prompt_tokens = [], [], 0
     for reply in stub.PredictStream(request):
         if reply.message:
             arrivals.append(time.perf_counter())
-    return Stream(start, arrivals, reply.tokens)
+            chunks.append(reply.message)
+        prompt_tokens = max(prompt_tokens, reply.prompt_tokens)
+    text = b"".join(chunks).decode()
+    return Stream(start, arrivals, reply.tokens, text, prompt_tokens)
 
 
 def http_stream(
@@ -112,19 +120,27 @@ def http_stream(
             logger.info("mlx_lm.server reset a connection; retrying")
     else:
         raise RuntimeError("mlx_lm.server kept resetting the connection")
-    arrivals = []
-    count = 0
+    arrivals, texts, usage = [], [], {}
     for line in response:
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
         chunk = json.loads(line[len(b"data: ") :])
-        if chunk.get("usage"):
-            count = chunk["usage"]["completion_tokens"]
+        usage = chunk.get("usage") or usage
         choices = chunk.get("choices") or [{}]
-        if choices[0].get("delta", {}).get("content"):
+        content = choices[0].get("delta", {}).get("content")
+        if content:
             arrivals.append(time.perf_counter())
+            texts.append(content)
     connection.close()
-    return Stream(start, arrivals, count or len(arrivals))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Stream(
+        start,
+        arrivals,
+        usage.get("completion_tokens") or len(arrivals),
+        "".join(texts),
+        usage.get("prompt_tokens", 0),
+        cached,
+    )
 
 
 def run_concurrently(make_stream, prompts: list) -> list[Stream]:

@@ -31,13 +31,11 @@ the same tokens.
 Llama-family models are parts 1 and 4's: this part doesn't run them again.
 """
 
-import http.client
 import importlib
 import json
 import logging
 import random
 import statistics
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -48,7 +46,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
-from bench.batching import grpc_stream, mlx_lm_server
+from bench.batching import grpc_stream, http_stream, mlx_lm_server
 from bench.overhead import cpu_header
 from bench.rollback import rollback_lines, rollback_speculation
 from bench.speculative import COPY, decode_rate
@@ -241,57 +239,22 @@ def status(stub) -> dict:
 
 
 def grpc_turn(stub, messages: list[dict]) -> Turn:
-    request = pb.PredictOptions(
-        UseTokenizerTemplate=True,
-        Messages=[pb.Message(**m) for m in messages],
-        Tokens=REPLY_TOKENS,
-        LogitBias=json.dumps({str(EOS): -1e9}),
-    )
     before = status(stub)["prompt_cache_reused_tokens"]
-    start = time.perf_counter()
-    first, text, prompt_tokens = None, b"", 0
-    for reply in stub.PredictStream(request):
-        if reply.message and first is None:
-            first = time.perf_counter() - start
-        text += reply.message
-        prompt_tokens = max(prompt_tokens, reply.prompt_tokens)
+    stream = grpc_stream(stub, messages, REPLY_TOKENS, EOS)
     reused = status(stub)["prompt_cache_reused_tokens"] - before
-    return Turn(first, prompt_tokens, reused, text.decode())
+    return Turn(
+        stream.arrivals[0] - stream.start, stream.prompt_tokens, reused, stream.text
+    )
 
 
 def http_turn(port: int, messages: list[dict]) -> Turn:
-    body = {
-        "model": "default_model",
-        "messages": messages,
-        "max_tokens": REPLY_TOKENS,
-        "temperature": 0.0,
-        "logit_bias": {str(EOS): -1e9},
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    start = time.perf_counter()
-    connection.request(
-        "POST",
-        "/v1/chat/completions",
-        json.dumps(body),
-        {"Content-Type": "application/json"},
+    stream = http_stream(port, "default_model", messages, REPLY_TOKENS, EOS)
+    return Turn(
+        stream.arrivals[0] - stream.start,
+        stream.prompt_tokens,
+        stream.cached_tokens,
+        stream.text,
     )
-    response = connection.getresponse()
-    first, text, usage = None, "", {}
-    for line in response:
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[len(b"data: ") :])
-        usage = chunk.get("usage") or usage
-        choices = chunk.get("choices") or [{}]
-        content = choices[0].get("delta", {}).get("content")
-        if content:
-            first = first or time.perf_counter() - start
-            text += content
-    connection.close()
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Turn(first, usage.get("prompt_tokens", 0), cached, text)
 
 
 def tool_call(t: int) -> str:

@@ -73,7 +73,6 @@ def rollback_speculation(
                 decoder = SpeculativeDecoder(
                     decoder,
                     model,
-                    DRAFT_TOKENS,
                     partial(Oracle, known, miss),
                     costs=costs,
                     rollback=True,

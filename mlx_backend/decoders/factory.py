@@ -99,7 +99,6 @@ def make_decoder(
     return SpeculativeDecoder(
         inner,
         model,
-        options.num_draft_tokens,
         make_proposer,
         costs=costs,
         per_proposal=per_proposal,

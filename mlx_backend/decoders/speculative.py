@@ -238,16 +238,15 @@ class SpeculativeDecoder(Decoder):
         self,
         inner: Decoder,
         model: nn.Module,
-        num_draft_tokens: int,
         make_proposer: Callable[[], NgramProposer | DraftProposer],
-        costs: tuple[float, ...] | None = None,
+        costs: tuple[float, ...],
         per_proposal: float = 0.0,
         rollback: bool = False,
     ):
         """``make_proposer`` makes each sequence's proposer. ``costs``: what a pass
-        over 1 + k tokens costs relative to one token, and ``per_proposal`` what
-        making one proposal does; measured on the model when not given.
-        ``rollback``: the KV cache has layers that can't be trimmed."""
+        over 1 + k tokens costs relative to one token (``measure_verify_costs``),
+        and ``per_proposal`` what making one proposal does. ``rollback``: the KV
+        cache has layers that can't be trimmed."""
         self._inner = inner
         self._rollback = rollback
         self._model = model
@@ -259,11 +258,6 @@ class SpeculativeDecoder(Decoder):
         self._lone_steps = 0
         self._lone_tokens = 0
         self.capabilities = inner.capabilities
-        if costs is None:
-            max_draft = max(num_draft_tokens, 8)
-            costs, per_proposal = measure_verify_costs(
-                model, max_draft, replay=replay_room(max_draft) if rollback else 0
-            )
         self.costs, self.per_proposal = costs, per_proposal
 
     # Decode steps and their tokens: the inner decoder's and the lone sequence's.

@@ -83,23 +83,11 @@ class MultiLoRALinear(nn.Module):
         return linear
 
 
-class MultiLoRASwitchLinear(nn.Module):
+class MultiLoRASwitchLinear(MultiLoRALinear):
     """A mixture of experts' stacked linears (mlx-lm's ``SwitchLinear``) plus the
     low-rank updates of one or more adapters, one update per expert, as mlx-lm's
     ``LoRASwitchLinear``: lora_a is (experts, rank, inputs), lora_b (experts,
     outputs, rank)."""
-
-    def __init__(self, base: nn.Module):
-        super().__init__()
-        self.base = base
-        self.lora_a: list[mx.array] = []
-        self.lora_b: list[mx.array] = []
-        self.scales: list[float] = []
-
-    def add(self, lora_a: mx.array, lora_b: mx.array, scale: float) -> None:
-        self.lora_a.append(lora_a)
-        self.lora_b.append(lora_b)
-        self.scales.append(scale)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices=False):
         y = self.base(x, indices, sorted_indices=sorted_indices)
@@ -145,7 +133,7 @@ class MultiLoRASwitchLinear(nn.Module):
 def linear_dims(module: nn.Module) -> tuple[int, ...] | None:
     """(input dims, output dims) of a linear layer, (experts, input dims, output
     dims) of a mixture's stacked linears; None for any other module."""
-    if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)):
+    if isinstance(module, MultiLoRALinear):
         module = module.base
     if isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
         return module.num_experts, module.input_dims, module.output_dims
@@ -265,13 +253,12 @@ def apply_adapters(
     modules = dict(model.named_modules())
     checked = [(adapter, *read_adapter(adapter, modules)) for adapter in adapters]
 
-    wrapped = (MultiLoRALinear, MultiLoRASwitchLinear)
-    wrappers: dict[str, MultiLoRALinear | MultiLoRASwitchLinear] = {}
+    wrappers: dict[str, MultiLoRALinear] = {}
     for adapter, scale, pairs in checked:
         for layer, (a, b) in pairs.items():
             if layer not in wrappers:
                 module = modules[layer]
-                if isinstance(module, wrapped):
+                if isinstance(module, MultiLoRALinear):
                     wrappers[layer] = module
                 elif isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
                     wrappers[layer] = MultiLoRASwitchLinear(module)
@@ -284,7 +271,7 @@ def apply_adapters(
     if fuse:
         # Wrappers left by an earlier unfused call are folded in as well.
         for name, module in modules.items():
-            if isinstance(module, wrapped):
+            if isinstance(module, MultiLoRALinear):
                 wrappers.setdefault(name, module)
     for layer, wrapper in wrappers.items():
         # One layer at a time, so a fused model's old weights are freed as we go.

@@ -208,7 +208,6 @@ def test_speculation_rolls_back_rejected_proposals(family):
         decoder = SpeculativeDecoder(
             BatchDecoder(model, options, not rollback),
             model,
-            6,
             lambda: Oracle(prompt, reference),
             costs=FLAT,
             rollback=rollback,

@@ -104,7 +104,6 @@ def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
         decoder = SpeculativeDecoder(
             BatchDecoder(model, options, True),
             model,
-            8,
             lambda: NgramProposer(2, 4),
             costs=FLAT,
         )

@@ -90,7 +90,6 @@ def test_speculative_sampling_keeps_the_model_distribution(tiny):
     decoder = SpeculativeDecoder(
         BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
         tiny,
-        4,
         lambda: EagerLookup(1, 3),
         costs=FLAT,
     )
