@@ -226,6 +226,18 @@ class ThreadSafeLRUPromptCache:
                 if key == model_key
             ]
 
+    def evict_to(self, max_bytes: int) -> int:
+        """Drop the least recently used entries until at most ``max_bytes`` are
+        kept; the bytes dropped."""
+        dropped = 0
+        with self._lock:
+            while self._lru and self._nbytes > max_bytes:
+                key, entry = self._lru.popitem(last=False)
+                self._trie.pop(*key)
+                self._nbytes -= entry.nbytes
+                dropped += entry.nbytes
+        return dropped
+
     def clear(self) -> None:
         with self._lock:
             self._trie = PromptTrie()

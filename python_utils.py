@@ -32,6 +32,12 @@ class LoadOptions:
     # Continuous batching: sequences decoded together, and prompts prefilled together.
     max_batch_size: int = 32
     prefill_batch_size: int = 8
+    # Prompt and decode tokens a step carries while sequences decode (None:
+    # measured at load, 0: none; decoders/step_budget.py).
+    step_token_budget: int | None = None
+    # Bytes for the weights, KV, prompt cache and a prefill step together (None:
+    # a share of the device's memory; engine/memory_budget.py).
+    memory_budget: int | None = None
     max_kv_size: int | None = None
     # Quantized KV caches (quantized_kv.py): bits (None: full precision) and the
     # group size (None: 64, mlx-lm's default). CacheTypeKey/Value set them too.
@@ -156,6 +162,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "dequantize_max_bytes",
         "max_stream_backlog",
         "ngram_min",
+        "memory_budget",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 1:
@@ -168,6 +175,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         "quantized_kv_start",
         "threads",
         "snapshot_interval",
+        "step_token_budget",
     ):
         value = getattr(parsed, name)
         if value is not None and value < 0:

@@ -182,6 +182,19 @@ def test_one_huge_entry_never_exceeds_the_byte_limit():
     assert cache.fetch_nearest_cache("m", [1, 1])[0] is not None
 
 
+def test_evict_to_drops_the_least_recently_used_first():
+    cache = make_cache()
+    cache.insert_cache("m", [1, 1], fake([1, 1]))  # 40 bytes
+    cache.insert_cache("m", [2, 2], fake([2, 2]))  # 40
+    cache.insert_cache("m", [3, 3, 3], fake([3, 3, 3]))  # 60
+    cache.insert_cache("m", [1, 1], fake([1, 1]))  # touched: [2, 2] is oldest
+    assert cache.evict_to(100) == 40
+    assert cache.nbytes == 100 and len(cache) == 2
+    assert cache.fetch_nearest_cache("m", [2, 2]) == (None, [2, 2])
+    assert cache.evict_to(100) == 0
+    assert cache.evict_to(0) == 100 and len(cache) == 0
+
+
 def test_zero_entries_disables_the_cache():
     cache = make_cache(max_size=0)
     cache.insert_cache("m", [1, 2], fake([1, 2]))

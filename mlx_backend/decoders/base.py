@@ -130,6 +130,10 @@ class Decoder(ABC):
     def remove(self, key: int, keep_state: bool = True) -> KVState | None:
         """Take a sequence out; its KV state when asked for and sound."""
 
+    def kv_nbytes(self) -> int:
+        """Bytes of KV cache the sequences hold now."""
+        return 0
+
     def take_pending(self, key: int) -> "Pending | None":
         """Take a decoding sequence out with the token its next step already
         sampled; None where the decoder can't (then ``remove`` it)."""

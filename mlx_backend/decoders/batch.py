@@ -2,6 +2,7 @@
 
 import copy
 import logging
+from collections import deque
 
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
@@ -16,6 +17,7 @@ from mlx_backend.decoders.base import (
     StepResult,
     thread_stream,
 )
+from mlx_backend.decoders.step_budget import StepBudget
 from mlx_utils import Scored, gather_logprobs
 from python_utils import LoadOptions
 
@@ -32,6 +34,7 @@ class BatchDecoder(Decoder):
         options: LoadOptions,
         trimmable: bool,
         pace: bool = False,
+        budget: StepBudget = StepBudget(0, "not set"),
     ):
         self._model = model
         self._options = options
@@ -43,6 +46,7 @@ class BatchDecoder(Decoder):
         # Each row's prompt prefixes still to snapshot, in prefill order.
         self._snapshots: dict[int, list[tuple[int, ...]]] = {}
         self._pace = pace
+        self.budget = budget
         self._batch = self._make_batch()
 
     def _make_batch(self) -> BatchGenerator:
@@ -86,6 +90,7 @@ class BatchDecoder(Decoder):
         return uid
 
     def step(self) -> list[StepResult]:
+        self._plan_prefill()
         try:
             prompt_responses, responses = self._batch.next()
         except Exception as e:
@@ -127,6 +132,24 @@ class BatchDecoder(Decoder):
             StepResult(uid, snapshots=taken) for uid, taken in snapshots.items()
         ]
         return results
+
+    def _plan_prefill(self) -> None:
+        """This step's prefill: the shortest waiting prompts join it first, and
+        while sequences decode its chunks keep within the step token budget."""
+        batch = self._batch
+        waiting = batch._unprocessed_sequences
+        if len(waiting) > 1:
+            # A one-line request must not wait for a slot behind long prompts.
+            batch._unprocessed_sequences = deque(sorted(waiting, key=_prompt_left))
+        prefilling = min(
+            batch.prefill_batch_size, len(batch._prompt_batch) + len(waiting)
+        )
+        batch.prefill_step_size = self.budget.chunk(
+            len(batch._generation_batch), prefilling, self._options.prefill_step_size
+        )
+
+    def kv_nbytes(self) -> int:
+        return self._batch.prompt_cache_nbytes
 
     def _take_snapshots(self, prompt_responses) -> dict[int, tuple[KVState, ...]]:
         """Copies of the KV state of each prompt prefix whose prefill just ended."""
@@ -193,3 +216,8 @@ class BatchDecoder(Decoder):
             self._batch.close()
         except Exception:
             logger.exception("closing the batch generator failed")
+
+
+def _prompt_left(sequence) -> int:
+    # A BatchGenerator sequence waiting for prefill: (uid, segments, ...).
+    return sum(len(segment) for segment in sequence[1])

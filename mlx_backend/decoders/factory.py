@@ -10,13 +10,14 @@ from mlx_backend.caches.kinds import layer_kind
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.measured import measured_once
-from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
+from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.decoders.speculative import (
     SpeculativeDecoder,
     measure_verify_costs,
     replay_room,
 )
+from mlx_backend.decoders.step_budget import StepBudget
 from mlx_utils import make_kv_cache, model_signature, unbatchable_reason
 from python_utils import LoadOptions
 
@@ -24,16 +25,20 @@ logger = logging.getLogger(__name__)
 
 
 def make_plain_decoder(
-    model: nn.Module, options: LoadOptions, pace: bool = False
+    model: nn.Module,
+    options: LoadOptions,
+    pace: bool = False,
+    budget: StepBudget = StepBudget(0, "not set"),
 ) -> Decoder:
     """The plain decoder for a loaded model: batched when its KV caches can be
-    merged, with paced CPU steps when ``pace`` (``make_pacing``)."""
+    merged, with paced CPU steps when ``pace`` (``make_pacing``) and prefill
+    within the step token ``budget``."""
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:
         logger.info("requests run one sequence each: %s", why)
         return SingleDecoder(model, options, trimmable)
-    return BatchDecoder(model, options, trimmable, pace)
+    return BatchDecoder(model, options, trimmable, pace, budget)
 
 
 def make_decoder(
@@ -41,12 +46,13 @@ def make_decoder(
     options: LoadOptions,
     draft: nn.Module | None = None,
     pace: bool = False,
+    budget: StepBudget = StepBudget(0, "not set"),
 ) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
     can be merged, with paced CPU steps when ``pace``), speculating for a lone
     sequence with ``draft`` or n-gram prompt lookup, unless that is off (or the
     KV caches can't go back and the sequences run one each)."""
-    inner = make_plain_decoder(model, options, pace)
+    inner = make_plain_decoder(model, options, pace, budget)
     kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
     why = None
     if options.speculative == "off" or options.num_draft_tokens == 0:

@@ -16,6 +16,7 @@ from mlx_backend.decoders.base import (
     StepResult,
 )
 from mlx_backend.sampling import see_cached_prompt
+from mlx_cache import cache_nbytes
 from mlx_utils import gather_logprobs
 from python_utils import LoadOptions
 
@@ -114,6 +115,9 @@ class SingleDecoder(Decoder):
                 scored = gather_logprobs([logprobs], [token], row.logprobs)[0]
             results.append(StepResult(key, (token,), (scored,)))
         return results
+
+    def kv_nbytes(self) -> int:
+        return sum(cache_nbytes(row.kv_cache) for row in self._rows.values())
 
     def remove(self, key: int, keep_state: bool = True) -> KVState | None:
         return self._remove(key, keep_state, failed=False)

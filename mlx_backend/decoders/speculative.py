@@ -48,6 +48,7 @@ from mlx_backend.decoders.base import (
 )
 from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
 from mlx_backend.sampling import SeededSampler
+from mlx_cache import cache_nbytes
 from mlx_utils import gather_logprobs
 
 logger = logging.getLogger(__name__)
@@ -268,6 +269,10 @@ class SpeculativeDecoder(Decoder):
     @property
     def batch_tokens(self) -> int:
         return self._inner.batch_tokens + self._lone_tokens
+
+    def kv_nbytes(self) -> int:
+        lone = self._rows[self._lone].kv_cache if self._lone is not None else None
+        return self._inner.kv_nbytes() + cache_nbytes(lone or [])
 
     def add(self, sequence: NewSequence) -> int:
         if self._lone is not None:

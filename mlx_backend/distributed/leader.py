@@ -79,6 +79,9 @@ class LeaderDecoder(Decoder):
     def batch_tokens(self) -> int:
         return self._inner.batch_tokens
 
+    def kv_nbytes(self) -> int:
+        return self._inner.kv_nbytes()
+
     def add(self, sequence: NewSequence) -> int:
         self._lockstep.check()
         try:

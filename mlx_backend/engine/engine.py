@@ -216,7 +216,8 @@ class Engine(Turns):
 
     def _publish(self) -> None:
         running = len(self._scheduler.running)
-        self._stats.publish(self.served, running, self._group)
+        admission = self._scheduler.breakdown(self.served)
+        self._stats.publish(self.served, running, self._group, admission)
 
     # -- loading ------------------------------------------------------------
 

@@ -22,9 +22,21 @@ from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
 from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
+from mlx_backend.decoders.measured import measured_once
+from mlx_backend.decoders.step_budget import (
+    StepBudget,
+    StepCosts,
+    choose_step_budget,
+    measure_step_costs,
+)
 from mlx_backend.distributed.leader import LeaderDecoder
 from mlx_backend.distributed.lockstep import Load, Lockstep
 from mlx_backend.distributed.sharding import Sharding, choose_mode
+from mlx_backend.engine.memory_budget import (
+    MemoryBudget,
+    check_budget_option,
+    make_memory_budget,
+)
 from mlx_backend.engine.prompt_store import (
     PromptCounts,
     PromptStore,
@@ -56,6 +68,9 @@ class ServedModel:
     info: ModelInfo
     decoder: Decoder
     store: PromptStore
+    # What admission follows; None over a distributed group, which measures nothing.
+    budget: MemoryBudget | None = None
+    step_budget: StepBudget = StepBudget(0, "not set")
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ def resolve(
     )
     check_adapters(loaded.model, plan.adapters)
     check_kv_cache(loaded.model, options)
+    check_budget_option(loaded.model, options)
     sharding = None
     if lockstep is not None:
         mode = mode or choose_mode(
@@ -156,7 +172,24 @@ def prepare(
     for note in notes:
         path = path.extended(note)
     info = replace(info, compute_path=replace(path, blas_threads=blas_threads() or 0))
-    decoder = _make_decoder(model, options, resolved.draft, pacing.paced, lockstep)
+    costs = None
+    if lockstep is None:
+        # A group's ranks would have to run the measurement's collectives together.
+        costs = measured_once(
+            model,
+            ("step costs", options.kv_bits, options.max_kv_size),
+            partial(measure_step_costs, model, options),
+        )
+    step_budget = choose_step_budget(
+        options.step_token_budget, options.prefill_step_size, costs
+    )
+    logger.info("%s", step_budget.describe())
+    info = replace(
+        info, compute_path=info.compute_path.extended(step_budget.describe())
+    )
+    decoder = _make_decoder(
+        model, options, resolved.draft, pacing.paced, lockstep, step_budget
+    )
     # PromptCachePath files may lie under ModelPath and prompt_cache_dir; a group
     # uses none.
     roots = (plan.model_path, options.prompt_cache_dir)
@@ -188,8 +221,23 @@ def prepare(
         files,
         kinds,
     )
+    budget = None
+    if costs is not None:
+        budget = make_memory_budget(
+            model,
+            options,
+            _prefill_peak(costs, options),
+            decoder.capabilities.batching,
+        )
     store.load_folder(options.max_cache_entries)
-    return ServedModel(model, info, decoder, store)
+    return ServedModel(model, info, decoder, store, budget, step_budget)
+
+
+def _prefill_peak(costs: StepCosts, options: LoadOptions) -> int:
+    """The most a prefill step takes beyond its KV: every row of a full prefill
+    batch at a whole chunk."""
+    rows = min(options.prefill_batch_size, options.max_batch_size)
+    return costs.peak_bytes_per_token * rows * options.prefill_step_size
 
 
 def _make_decoder(
@@ -198,10 +246,11 @@ def _make_decoder(
     draft: nn.Module | None,
     paced: bool,
     lockstep: Lockstep | None,
+    budget: StepBudget,
 ) -> Decoder:
     if lockstep is None:
-        return make_decoder(model, options, draft, paced)
-    decoder = make_plain_decoder(model, options, paced)
+        return make_decoder(model, options, draft, paced, budget)
+    decoder = make_plain_decoder(model, options, paced, budget)
     if not decoder.capabilities.batching:
         raise InvalidArgument("distributed serving needs a model whose KV caches batch")
     return LeaderDecoder(decoder, lockstep) if lockstep.rank == 0 else decoder

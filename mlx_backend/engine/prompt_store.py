@@ -88,6 +88,15 @@ class PromptStore:
         self.cache.insert_state(self._load_id, tokens, kv_cache, holders)
         self._changed = True
 
+    def shrink(self, max_bytes: int) -> None:
+        """Evict the least recently used entries until at most ``max_bytes`` stay."""
+        dropped = self.cache.evict_to(max(max_bytes, 0))
+        if dropped:
+            logger.info(
+                "the prompt cache gave up %d bytes to the memory budget", dropped
+            )
+            self._changed = True
+
     def cached_length(self, prompt: tuple[int, ...]) -> int:
         return self.cache.cached_length(self._load_id, prompt)
 

@@ -70,6 +70,8 @@ class Running:
     # Prompt tokens served from the prompt cache, and the slot number it holds.
     reused: int
     slot: int
+    # The prompt and reply tokens its KV cache may come to hold.
+    reserved: int
     proposed: int = 0
     accepted: int = 0
 
@@ -100,12 +102,38 @@ class Scheduler:
         for i, message in enumerate(waiting):
             if message.stream.cancelled:
                 continue
+            if self.waiting:
+                # One ahead waits for memory: the rest keep their order behind it.
+                self.waiting.append(message)
+                continue
             prefix, lead = self._plan_sharing(served, message.request, waiting[i + 1 :])
             if prefix is not None:
                 self._pending[prefix].append(message)
                 continue
-            self._admit(served, unavailable, message.request, message.stream, lead)
+            if not self._admit(served, unavailable, message, lead):
+                self.waiting.append(message)
         return bool(waiting)
+
+    def reserved_kv_bytes(self, served: ServedModel | None) -> int:
+        """The KV the running sequences may come to hold, as the budget counts it."""
+        if served is None or served.budget is None:
+            return 0
+        return served.budget.kv_bytes([seq.reserved for seq in self.running.values()])
+
+    def breakdown(self, served: ServedModel | None) -> dict[str, int]:
+        """What Status reports of admission under the memory budget."""
+        figures = {
+            "requests_waiting": len(self.waiting)
+            + sum(map(len, self._pending.values())),
+            "kv_live_bytes": served.decoder.kv_nbytes() if served else 0,
+        }
+        if served is not None and served.budget is not None:
+            figures.update(served.budget.breakdown())
+            figures.update(
+                budget_kv_bytes=self.reserved_kv_bytes(served),
+                budget_prompt_cache_bytes=served.store.cache.nbytes,
+            )
+        return figures
 
     def update(self, served: ServedModel, results: list[StepResult]) -> None:
         """Each sequence's tokens through its reply pipeline to its stream."""
@@ -222,6 +250,7 @@ class Scheduler:
         prefix = tuple(snapshot.tokens)
         followers = self._pending.pop(prefix, [])
         served.store.keep(snapshot.cache, prefix, max(1, len(followers)))
+        self._fit_cache(served)
         if followers:
             logger.info(
                 "a %d-token prefix was prefilled once for %d more requests",
@@ -234,14 +263,21 @@ class Scheduler:
         self,
         served: ServedModel | None,
         unavailable: str | None,
-        request: GenerationRequest,
-        stream: RequestStream,
+        message: Submit,
         lead: int,
-    ) -> None:
+    ) -> bool:
+        """Start a request, or end it with its refusal; False: it waits for memory."""
+        request, stream = message.request, message.stream
         refusal = admission_refusal(served, request.load_id, unavailable)
+        if refusal is None:
+            try:
+                if not self._fits(served, request):
+                    return False
+            except ResourceExhausted as e:
+                refusal = e
         if refusal is not None:
             stream.put(refusal)
-            return
+            return True
         try:
             seq = self._start(served, request, stream, lead)
         except Exception as e:
@@ -254,6 +290,28 @@ class Scheduler:
             len(request.prompt),
             seq.reused,
         )
+        return True
+
+    def _fits(self, served: ServedModel, request: GenerationRequest) -> bool:
+        """Whether the request's KV fits the memory budget beside the running
+        sequences', once the prompt cache gives up what it must; raises when it
+        could not fit even alone."""
+        budget = served.budget
+        if budget is None:
+            return True
+        tokens = len(request.prompt) + request.max_tokens
+        budget.check_alone(tokens)
+        lengths = [seq.reserved for seq in self.running.values()]
+        need = budget.kv_bytes([*lengths, tokens])
+        if need > budget.room:
+            return False
+        served.store.shrink(budget.room - need)
+        return True
+
+    def _fit_cache(self, served: ServedModel) -> None:
+        """What the prompt cache just kept must leave the running sequences room."""
+        if served.budget is not None:
+            served.store.shrink(served.budget.room - self.reserved_kv_bytes(served))
 
     def _start(
         self,
@@ -320,7 +378,15 @@ class Scheduler:
         for n in snapshots:
             self._pending.setdefault(prompt[:n], [])
         self._prefixes[key] = [prompt[:n] for n in snapshots]
-        return Running(key, request, stream, reply, reused, self._free_slot())
+        return Running(
+            key,
+            request,
+            stream,
+            reply,
+            reused,
+            self._free_slot(),
+            reserved=len(prompt) + request.max_tokens,
+        )
 
     def _free_slot(self) -> int:
         """The lowest slot number no running sequence holds (as llama.cpp numbers them)."""
@@ -339,6 +405,7 @@ class Scheduler:
             self.waiting[:0] = self._pending.pop(prefix, [])
         if state is not None:
             served.store.keep(state.cache, state.tokens)
+            self._fit_cache(served)
             file = seq.request.prompt_file
             if file is not None and not file.read_only:
                 tokens = state.tokens if file.everything else seq.request.prompt

@@ -67,9 +67,14 @@ class Stats:
         return self.steps % STATS_INTERVAL == 0
 
     def publish(
-        self, served: ServedModel | None, active: int, group: Solo | Leader
+        self,
+        served: ServedModel | None,
+        active: int,
+        group: Solo | Leader,
+        admission: dict[str, int],
     ) -> None:
-        """Publish the figures of ``served`` with ``active`` sequences running."""
+        """Publish the figures of ``served`` with ``active`` sequences running and
+        the scheduler's ``admission`` figures (the memory budget's parts)."""
         state = self.state
         if state == "ready" and active:
             state = "busy"
@@ -95,5 +100,7 @@ class Stats:
             draft_tokens_accepted=decoder.draft_accepted if decoder else 0,
             speculative_decoding=int(decoder.speculates) if decoder else 0,
             distributed_ranks=group.size,
+            step_token_budget=served.step_budget.tokens if served else 0,
+            **admission,
         )
         self.published = EngineStats(state, active, memory)

@@ -74,7 +74,9 @@ def served(tokenizer):
         vocab_size=len(tokenizer.vocab),
         options=LoadOptions(max_stream_backlog=4, prefix_sharing=False),
     )
-    return SimpleNamespace(info=info, decoder=FakeDecoder(), store=FakeStore())
+    return SimpleNamespace(
+        info=info, decoder=FakeDecoder(), store=FakeStore(), budget=None
+    )
 
 
 def waiting(scheduler: Scheduler, load_id: int = 7, backlog: int = 0) -> FakeStream:
