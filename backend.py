@@ -44,6 +44,7 @@ from mlx_backend.formats.base import ChatFormat
 from mlx_backend.models.loading import DEFAULT_MODEL_REF, ModelInfo
 from mlx_backend.output.chat_output import Delta, merge_deltas
 from mlx_backend.output.reply_pipeline import Finished, TokenLogprob
+from mlx_backend.refusals import describe_error, is_described
 from mlx_backend.request_parsing import (
     GenerationRequest,
     check_tokens,
@@ -263,9 +264,13 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             serving = (
                 f"; still serving {kept.source}" if kept else "; no model is loaded"
             )
-            logger.warning("LoadModel failed: %s%s", e, serving)
+            # Any path can be named: the reply describes files, never quotes them.
+            why = describe_error(e)
+            logger.warning(
+                "LoadModel failed: %s%s", why, serving, exc_info=not is_described(e)
+            )
             return backend_pb2.Result(
-                success=False, message=f"LoadModel failed: {e}{serving}"
+                success=False, message=f"LoadModel failed: {why}{serving}"
             )
         logger.info("model loaded from %s, context %d", info.source, info.context_size)
         return backend_pb2.Result(

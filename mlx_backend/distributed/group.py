@@ -14,12 +14,15 @@ import mlx.core as mx
 
 from mlx_backend.cpu.blas import set_blas_threads
 from mlx_backend.errors import InvalidArgument, Unavailable
+from mlx_backend.refusals import Described, describe_path, read_json
 from python_utils import DISTRIBUTED_BACKENDS, LoadOptions
 
 logger = logging.getLogger(__name__)
 
 HOSTFILE_ENV = "MLX_DISTRIBUTED_HOSTFILE"
 BACKEND_ENV = "MLX_DISTRIBUTED_BACKEND"
+# A hostfile lists a few hosts: a larger file is not read whole.
+HOSTFILE_LIMIT = 1 << 20
 # What a worker sends rank 0 before the group forms, followed by its rank.
 CHECK_IN = b"mlx-backend-worker"
 
@@ -206,10 +209,31 @@ def check_in(settings: GroupSettings, retry_seconds: float = 0.5) -> None:
 
 def join_group(settings: GroupSettings) -> mx.distributed.Group:
     """Rank 0's group, once every worker is up."""
+    if settings.backend != "mpi" and settings.hostfile:
+        check_hostfile(Path(settings.hostfile))
     gather_workers(settings)
     group = init_group(settings)
     share_cores(settings, group.rank())
     return group
+
+
+def check_hostfile(path: Path) -> None:
+    """Refuse a hostfile that is not a JSON list, describing it: MLX's own parse
+    error quotes the file."""
+    why = ""
+    if not path.is_file():
+        why = describe_path(path)
+    else:
+        try:
+            if not isinstance(read_json(path, limit=HOSTFILE_LIMIT), list):
+                why = f"{path.name} is not a JSON list"
+        except Described as e:
+            why = str(e)
+    if why:
+        raise InvalidArgument(
+            f"Options: hostfile: {path}: {why}; MLX's hostfile is a JSON list of "
+            "the ranks' hosts"
+        )
 
 
 def share_cores(settings: GroupSettings, rank: int) -> None:

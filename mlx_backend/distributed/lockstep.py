@@ -17,6 +17,7 @@ import numpy as np
 from mlx_backend.decoders.base import StepResult, thread_stream
 from mlx_backend.errors import Unavailable
 from mlx_backend.models.loading import LoadPlan
+from mlx_backend.refusals import Described, describe_error
 from mlx_cache import cache_nbytes
 
 logger = logging.getLogger(__name__)
@@ -248,7 +249,9 @@ class Lockstep:
     def agree(self, error: Exception | None) -> None:
         """Every rank's load outcome on every rank; raises, naming the ranks that
         failed, when any did."""
-        message = b"" if error is None else f"{error}".encode()[: STATUS_BYTES - 3]
+        # Shown to the client by rank 0: described, as rank 0's own errors are.
+        why = "" if error is None else describe_error(error)
+        message = why.encode()[: STATUS_BYTES - 3]
         status = np.zeros(STATUS_BYTES, np.uint8)
         status[0] = 1 if error is not None else 0
         status[1:3] = np.frombuffer(len(message).to_bytes(2, "little"), np.uint8)
@@ -272,7 +275,7 @@ class Lockstep:
             )
 
 
-class LoadFailed(Exception):
+class LoadFailed(Described):
     """A rank of the group could not load the model."""
 
 

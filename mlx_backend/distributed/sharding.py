@@ -16,10 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from mlx_backend.refusals import Described
+
 logger = logging.getLogger(__name__)
 
 
-class ShardingError(Exception):
+class ShardingError(Described):
     """The model cannot be split the way it was asked."""
 
 
