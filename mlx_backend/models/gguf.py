@@ -32,6 +32,7 @@ from tokenizers import (
     processors,
 )
 
+from mlx_backend.refusals import Described
 from mlx_utils import dequantize_to_float32
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,35 @@ _TOP_NAMES = {
 }
 
 
-class GGUFError(ValueError):
-    """The GGUF file is not one this loader supports."""
+class GGUFError(ValueError, Described):
+    """The GGUF file is not one this loader supports. Its message never quotes the
+    file: a name or value read from it is shown only when it is one this module
+    knows (an architecture, a tensor type), so any file can be refused safely."""
+
+
+# Names that a refusal may show when the file holds them: llama.cpp's other
+# architectures and tokenizer models, and its tensor types.
+_KNOWN_ARCHITECTURES = frozenset(
+    "baichuan bert bloom chatglm command-r cohere2 deepseek deepseek2 exaone falcon "
+    "gemma gemma2 gemma3 gemma3n gpt2 gptj gptneox granite granitemoe grok internlm2 "
+    "jamba mamba minicpm mistral3 mpt nemotron olmo olmo2 olmoe phi2 phi3 phimoe "
+    "qwen qwen2 qwen2moe qwen3 qwen3moe refact rwkv6 stablelm starcoder starcoder2 "
+    "t5".split()
+)
+_KNOWN_TOKENIZERS = frozenset("llama gpt2 bert t5 rwkv plamo2 none".split())
+_GGML_TYPES = dict(
+    enumerate(
+        "F32 F16 Q4_0 Q4_1 Q4_2 Q4_3 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K "
+        "IQ2_XXS IQ2_XS IQ3_XXS IQ1_S IQ4_NL IQ3_S IQ2_S IQ4_XS I8 I16 I32 I64 F64 "
+        "IQ1_M BF16".split()
+    )
+)
+
+
+def _named(what: str, value, names: frozenset[str]) -> str:
+    """``what`` with ``value`` quoted when it is one of ``names``: anything else
+    read from the file stays unquoted."""
+    return f"{what} {value!r}" if isinstance(value, str) and value in names else what
 
 
 def _scalar(value: Any) -> Any:
@@ -75,10 +103,10 @@ def translate_name(name: str) -> str:
     if match:
         layer, part = match.groups()
         if part not in _LAYER_NAMES:
-            raise GGUFError(f"unsupported GGUF tensor {name!r}")
+            raise GGUFError("a tensor of a layer is not one a llama layer has")
         return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
     if base not in _TOP_NAMES:
-        raise GGUFError(f"unsupported GGUF tensor {name!r}")
+        raise GGUFError("a tensor is not one a llama model has")
     return f"{_TOP_NAMES[base]}.{suffix}"
 
 
@@ -87,7 +115,8 @@ def make_config(metadata: dict, weights: dict) -> dict:
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported (only 'llama' is)"
+            f"{_named('the GGUF architecture', arch, _KNOWN_ARCHITECTURES)} is not "
+            "supported (only 'llama' is)"
         )
 
     def meta(key, default=None):
@@ -165,7 +194,8 @@ def make_hf_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
+            f"{_named('the GGUF tokenizer model', kind, _KNOWN_TOKENIZERS)} is not "
+            "supported (only byte-level BPE 'gpt2')"
         )
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
@@ -273,9 +303,9 @@ class _GGUFWalker:
                 for _ in range(count):
                     self.string()
             else:
-                raise GGUFError(f"unsupported metadata array of type {item}")
+                raise GGUFError("a metadata array has an unknown item type")
         else:
-            raise GGUFError(f"unknown metadata type {kind}")
+            raise GGUFError("a metadata value has an unknown type")
 
 
 def check_gguf(path: str | Path) -> None:
@@ -293,10 +323,10 @@ def check_gguf(path: str | Path) -> None:
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             walker = _GGUFWalker(data)
             magic, version = data[:4], walker.unpack("<4xI")
-            if magic != b"GGUF" or version not in (2, 3):
-                raise GGUFError(
-                    f"not a GGUF file of version 2 or 3 ({magic!r}, {version})"
-                )
+            if magic != b"GGUF":
+                raise GGUFError("not a GGUF file (it does not start with GGUF)")
+            if version not in (2, 3):
+                raise GGUFError("not a GGUF file of version 2 or 3")
             tensors, pairs = walker.unpack("<Q"), walker.unpack("<Q")
             alignment = 32
             for _ in range(pairs):
@@ -307,24 +337,30 @@ def check_gguf(path: str | Path) -> None:
                     walker.value(kind)
             walker.check_room(tensors * _MIN_TENSOR_INFO)
             table = []
-            for _ in range(tensors):
-                name = walker.string().decode("utf-8", errors="replace")
+            # Tensors are named by their place in the table: their names are the
+            # file's bytes.
+            for i in range(tensors):
+                walker.string()
                 dims = walker.unpack("<I")
                 if not 1 <= dims <= 4:
-                    raise GGUFError(f"tensor {name!r} has {dims} dimensions")
+                    raise GGUFError(f"tensor {i} does not have 1 to 4 dimensions")
                 shape = [walker.unpack("<Q") for _ in range(dims)]
                 kind, offset = walker.unpack("<I"), walker.unpack("<Q")
                 if kind not in _TENSOR_BLOCKS:
-                    raise GGUFError(f"tensor {name!r} has unsupported type {kind}")
+                    supported = ", ".join(_GGML_TYPES[k] for k in _TENSOR_BLOCKS)
+                    raise GGUFError(
+                        f"tensor {i} is of type {_GGML_TYPES.get(kind, 'unknown')}; "
+                        f"MLX reads {supported}"
+                    )
                 values, block = _TENSOR_BLOCKS[kind]
                 blocks, rest = divmod(math.prod(shape), values)
                 if rest:
-                    raise GGUFError(f"tensor {name!r} is not whole blocks")
-                table.append((name, offset, blocks * block))
+                    raise GGUFError(f"tensor {i} is not whole blocks")
+                table.append((i, offset, blocks * block))
             start = -(-walker.pos // alignment) * alignment
-            for name, offset, size in table:
+            for i, offset, size in table:
                 if start + offset + size > len(data):
-                    raise GGUFError(f"tensor {name!r} runs past the end of the file")
+                    raise GGUFError(f"tensor {i} runs past the end of the file")
 
 
 def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
@@ -337,15 +373,25 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
         The mlx-lm model, its ``TokenizerWrapper`` and the model config.
     """
     check_gguf(path)
-    weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
-    config = make_config(metadata, weights)
-    model = make_model(config, weights)
-    eos = _scalar(metadata.get("tokenizer.ggml.eos_token_id"))
-    with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as folder:
-        save_tokenizer(metadata, Path(folder))
-        tokenizer = load_tokenizer(
-            Path(folder), eos_token_ids=[eos] if eos is not None else None
-        )
+    try:
+        weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
+        config = make_config(metadata, weights)
+        model = make_model(config, weights)
+        eos = _scalar(metadata.get("tokenizer.ggml.eos_token_id"))
+        with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as folder:
+            save_tokenizer(metadata, Path(folder))
+            tokenizer = load_tokenizer(
+                Path(folder), eos_token_ids=[eos] if eos is not None else None
+            )
+    except GGUFError:
+        raise
+    except Exception as e:
+        # MLX's, mlx-lm's and tokenizers' messages may quote the metadata.
+        logger.warning("building a model from %s failed", path, exc_info=True)
+        raise GGUFError(
+            "its metadata and tensors don't make a llama model and tokenizer "
+            f"({type(e).__name__}, details in the server log)"
+        ) from e
     logger.info(
         "loaded GGUF %s: %d layers, hidden %d, vocab %d",
         path,

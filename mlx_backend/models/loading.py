@@ -19,10 +19,21 @@ from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.formats.base import ChatFormat
 from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.grammar import GrammarCompiler
-from mlx_backend.models.gguf import load_gguf
+from mlx_backend.models.checks import (
+    check_chat_template,
+    diagnose_folder,
+    template_source,
+)
+from mlx_backend.models.gguf import GGUFError, load_gguf
 from mlx_backend.models.lora import Adapter, apply_adapters
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_backend.output.detokenizer import TokenBytes, make_token_bytes
+from mlx_backend.refusals import (
+    Described,
+    describe_error,
+    describe_path,
+    is_described,
+)
 from mlx_utils import release_memory
 from python_utils import LoadOptions
 
@@ -56,7 +67,7 @@ class LoadPlan:
     context_size: int = 0
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(Described):
     """No candidate for the model could be loaded; the message lists what was tried."""
 
 
@@ -93,39 +104,62 @@ ACCEPTED_MODELS = (
 
 def _load_path(path: Path, trust_remote_code: bool):
     # Recognized by content: LocalAI's e2e suite downloads models as model.bin.
+    # Every message describes the files and never quotes them (refusals.py).
     if path.is_dir():
         if (path / "config.json").is_file():
-            model, tokenizer, config = load_mlx_folder(
-                str(path),
-                lazy=True,
-                return_config=True,
-                trust_remote_code=trust_remote_code,
-            )
-            return model, tokenizer, config
+            return _load_folder(path, trust_remote_code)
         ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
         if len(ggufs) == 1:
-            return load_gguf(ggufs[0])
-        raise ModelLoadError(
-            f"{path} {describe_folder(path)}; accepted: {ACCEPTED_MODELS}"
-        )
-    with open(path, "rb") as file:
-        head = file.read(16)
-    if head[:4] == GGUF_MAGIC:
-        return load_gguf(path)
+            return _load_gguf(ggufs[0])
+        raise ModelLoadError(f"{describe_folder(path)}; accepted: {ACCEPTED_MODELS}")
+    if path.is_file():
+        # Only a regular file is opened: a FIFO or a device could block the read.
+        with open(path, "rb") as file:
+            head = file.read(len(GGUF_MAGIC))
+        if head == GGUF_MAGIC:
+            return _load_gguf(path)
     raise ModelLoadError(
-        f"{path} is a file of {path.stat().st_size} bytes starting with {head!r}, "
-        f"not a GGUF file; accepted: {ACCEPTED_MODELS}"
+        f"{describe_path(path)}, neither a GGUF file nor a folder; "
+        f"accepted: {ACCEPTED_MODELS}"
     )
+
+
+def _load_gguf(path: Path):
+    try:
+        model, tokenizer, config = load_gguf(path)
+    except GGUFError as e:
+        raise ModelLoadError(f"a GGUF file that can't be loaded: {e}") from e
+    check_chat_template(tokenizer, "the GGUF's tokenizer.chat_template")
+    return model, tokenizer, config
+
+
+def _load_folder(path: Path, trust_remote_code: bool):
+    try:
+        model, tokenizer, config = load_mlx_folder(
+            str(path),
+            lazy=True,
+            return_config=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as e:
+        logger.warning("mlx-lm could not load %s", path, exc_info=True)
+        why = diagnose_folder(path, trust_remote_code)
+        raise ModelLoadError(
+            f"a folder with config.json that mlx-lm could not load: "
+            f"{why or describe_error(e)}"
+        ) from e
+    check_chat_template(tokenizer, template_source(path))
+    return model, tokenizer, config
 
 
 def describe_folder(path: Path, shown: int = 8) -> str:
     """What a folder that is not a model holds, for the load error."""
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     if not names:
-        return "is an empty folder"
+        return "an empty folder"
     listed = ", ".join(names[:shown])
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f"is a folder without config.json holding {listed}{more}"
+    return f"a folder without config.json holding {listed}{more}"
 
 
 def load_model(
@@ -133,11 +167,12 @@ def load_model(
     model_file: str = "",
     model_path: str = "",
     trust_remote_code: bool = False,
+    field: str = "Model",
 ) -> LoadedModel:
     """Resolve and load a model the way LocalAI names it.
 
-    Everything is read and checked (config, weight names and shapes, tokenizer),
-    but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
+    Everything is read and checked (config, weight names and shapes, tokenizer,
+    chat template), but MLX-folder weights stay lazy: ``mx.eval(model.parameters())``
     loads them, so a caller can free the previous model first.
 
     Args:
@@ -146,39 +181,49 @@ def load_model(
         model_file: ``ModelOptions.ModelFile``.
         model_path: ``ModelOptions.ModelPath``, LocalAI's models directory.
         trust_remote_code: Allow model code shipped with a checkpoint.
+        field: The request field that named ``model``, for the error.
 
     Returns:
         The loaded model, tokenizer, config and the source it came from.
 
     Raises:
-        ModelLoadError: Nothing could be loaded; the message names each attempt.
+        ModelLoadError: Nothing could be loaded; the message names each attempt
+          and what each path is, without quoting any file.
     """
     apply_fixes()
     if not model and not model_file:
         path = default_model_path()
-        result = _load_path(path, trust_remote_code)
+        try:
+            result = _load_path(path, trust_remote_code)
+        except Exception as e:
+            logger.warning("loading the default model failed", exc_info=True)
+            raise ModelLoadError(
+                f"the default model {path}: {describe_error(e)}"
+            ) from None
         return LoadedModel(*result, source=f"default model {path}")
 
-    candidates: list[Path] = []
+    candidates: list[tuple[str, Path]] = []
     if model:
-        candidates.append(Path(model).expanduser())
+        candidates.append((field, Path(model).expanduser()))
     if model_file:
-        candidates.append(Path(model_file).expanduser())
+        candidates.append(("ModelFile", Path(model_file).expanduser()))
     if model_path and model:
-        candidates.append(Path(model_path) / model)
-    tried = []
-    for path in candidates:
-        if path in (Path(t) for t, _ in tried):
+        candidates.append((f"ModelPath/{field}", Path(model_path) / model))
+    tried, seen = [], set()
+    for named_by, path in candidates:
+        if path in seen:
             continue
+        seen.add(path)
         if not path.exists():
-            tried.append((str(path), "does not exist"))
+            tried.append((f"{named_by} {path}", "does not exist"))
             continue
         try:
             result = _load_path(path, trust_remote_code)
             return LoadedModel(*result, source=str(path))
         except Exception as e:
-            logger.exception("loading %s failed", path)
-            tried.append((str(path), f"{type(e).__name__}: {e}"))
+            if not is_described(e):
+                logger.warning("loading %s failed", path, exc_info=True)
+            tried.append((f"{named_by} {path}", describe_error(e)))
 
     if model and not model.lower().endswith(".gguf") and not Path(model).is_absolute():
         try:
@@ -191,11 +236,15 @@ def load_model(
             result = _load_path_or_repo(local, trust_remote_code)
             return LoadedModel(*result, source=source)
         except Exception as e:
-            logger.exception("loading %s failed", local)
-            tried.append((source, f"{type(e).__name__}: {e}"))
+            if not is_described(e):
+                logger.warning("loading %s failed", local, exc_info=True)
+            tried.append((source, describe_error(e)))
 
     attempts = "; ".join(f"{what}: {why}" for what, why in tried)
-    raise ModelLoadError(f"could not load model {model or model_file!r} ({attempts})")
+    named = field if model else "ModelFile"
+    raise ModelLoadError(
+        f"{named}: could not load {model or model_file!r} ({attempts})"
+    )
 
 
 def load_draft(
@@ -204,12 +253,12 @@ def load_draft(
     """Load ``DraftModel``, the proposer of speculative decoding, resolved like
     ``Model``; ModelLoadError when it can't be loaded or its vocabulary differs
     from ``target``'s."""
-    try:
-        draft = load_model(
-            name, model_path=model_path, trust_remote_code=options.trust_remote_code
-        )
-    except ModelLoadError as e:
-        raise ModelLoadError(f"DraftModel: {e}") from None
+    draft = load_model(
+        name,
+        model_path=model_path,
+        trust_remote_code=options.trust_remote_code,
+        field="DraftModel",
+    )
     ours, theirs = target.tokenizer.vocab, draft.tokenizer.vocab
     if ours != theirs:
         differing = len(set(ours.items()) ^ set(theirs.items()))
@@ -239,12 +288,14 @@ def hidden_state_model(model: nn.Module) -> nn.Module | None:
 def _load_path_or_repo(ref: str, trust_remote_code: bool):
     if Path(ref).exists():
         return _load_path(Path(ref), trust_remote_code)
-    return load_mlx_folder(
+    model, tokenizer, config = load_mlx_folder(
         ref,
         lazy=True,
         return_config=True,
         trust_remote_code=trust_remote_code,
     )
+    check_chat_template(tokenizer, f"the chat template of {ref}")
+    return model, tokenizer, config
 
 
 @dataclass(frozen=True)
