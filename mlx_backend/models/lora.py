@@ -7,11 +7,10 @@ A mixture's stacked experts (mlx-lm's ``SwitchLinear``, which ``mlx_lm.lora`` ad
 by default) take one update per expert, as mlx-lm's ``LoRASwitchLinear``.
 """
 
-import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,21 +19,29 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.refusals import Described, describe_path, read_json
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
+ACCEPTED = f"a folder with {CONFIG_FILE} and {WEIGHTS_FILE}, as mlx_lm.lora writes them"
+# mlx-lm's fine-tune types, which a refusal may name.
+_FINE_TUNE_TYPES = ("lora", "dora", "full")
 
 
 @dataclass(frozen=True)
 class Adapter:
     path: Path
     scale: float = 1.0
+    # The LoadModel field that named it ("LoraAdapter", "LoraAdapters[1]"), for errors.
+    named_by: str = field(default="", compare=False)
 
 
-class AdapterError(Exception):
-    """An adapter can't be applied; the message names the adapter folder and why."""
+class AdapterError(Described):
+    """An adapter can't be applied; the message names the adapter folder and why,
+    quoting none of its files (tensor names only when they are the model's own
+    modules)."""
 
 
 class MultiLoRALinear(nn.Module):
@@ -151,24 +158,29 @@ def read_adapter(
     """An adapter's overall scale and its (lora_a, lora_b) by layer, checked
     against ``modules`` (the model's, by path)."""
     folder = adapter.path
+    field_name = f"{adapter.named_by}: " if adapter.named_by else ""
 
     def fail(why: str) -> AdapterError:
-        return AdapterError(f"adapter {folder}: {why}")
+        return AdapterError(f"{field_name}adapter {folder}: {why}")
 
-    if not folder.is_dir():
+    if not folder.exists():
         raise fail("no such folder")
+    if not folder.is_dir():
+        raise fail(f"{describe_path(folder)}, not a folder; accepted: {ACCEPTED}")
     if not math.isfinite(adapter.scale):
         raise fail(f"scale {adapter.scale} is not a finite number")
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise fail(f"can't read {CONFIG_FILE}: {e}") from e
+        config = read_json(folder / CONFIG_FILE)
+    except Described as e:
+        raise fail(str(e)) from None
     if not isinstance(config, dict):
         raise fail(f"{CONFIG_FILE} is not a JSON object")
     kind = config.get("fine_tune_type", "lora")
     if kind != "lora":
+        named = f" {kind}" if kind in _FINE_TUNE_TYPES else ""
         raise fail(
-            f"fine_tune_type {kind} is not supported; only lora adapters can be combined"
+            f"fine_tune_type{named} is not supported; only lora adapters can be "
+            "combined"
         )
     own_scale = (config.get("lora_parameters") or {}).get("scale")
     if not isinstance(own_scale, (int, float)) or isinstance(own_scale, bool):
@@ -178,15 +190,29 @@ def read_adapter(
     try:
         weights = mx.load(str(folder / WEIGHTS_FILE))
     except Exception as e:  # mx.load raises bare RuntimeError/ValueError
-        raise fail(f"can't read {WEIGHTS_FILE}: {e}") from e
+        logger.warning("reading %s failed", folder / WEIGHTS_FILE, exc_info=True)
+        raise fail(
+            f"{WEIGHTS_FILE} is not a safetensors file MLX reads ({type(e).__name__})"
+        ) from e
     if not weights:
         raise fail(f"{WEIGHTS_FILE} holds no tensors")
 
+    # Tensor names are the file's bytes: a message names a layer only when it is
+    # one of the model's modules.
     by_layer: dict[str, dict[str, mx.array]] = {}
     for name, w in weights.items():
         layer, _, leaf = name.rpartition(".")
         if leaf not in ("lora_a", "lora_b"):
-            raise fail(f"{WEIGHTS_FILE} holds {name}, which is not a LoRA tensor")
+            part = f" for {layer}" if layer in modules else ""
+            raise fail(
+                f"{WEIGHTS_FILE} holds a tensor{part} that is not a LoRA tensor "
+                "(lora_a or lora_b)"
+            )
+        if layer not in modules:
+            raise AdapterError(
+                f"{field_name}adapter {folder} does not fit this model: "
+                f"{WEIGHTS_FILE} adapts a module the model does not have"
+            )
         by_layer.setdefault(layer, {})[leaf] = w
     pairs = {}
     for layer, leaves in sorted(by_layer.items()):
@@ -194,9 +220,7 @@ def read_adapter(
             missing = "lora_b" if "lora_a" in leaves else "lora_a"
             raise fail(f"{layer} has no {missing}")
         a, b = leaves["lora_a"], leaves["lora_b"]
-        misfit = f"adapter {folder} does not fit this model: {layer}"
-        if layer not in modules:
-            raise AdapterError(f"{misfit}: the model has no such module")
+        misfit = f"{field_name}adapter {folder} does not fit this model: {layer}"
         dims = linear_dims(modules[layer])
         if dims is None:
             found = type(modules[layer]).__name__
@@ -309,14 +333,15 @@ def make_adapters(
         raise InvalidArgument(
             f"LoraScales: {len(scales)} scales for {len(adapters)} LoraAdapters"
         )
-    named = [(adapter, scale or 1.0)] if adapter else []
+    named = [(adapter, scale or 1.0, "LoraAdapter")] if adapter else []
     named += [
-        (path, scales[i] if i < len(scales) else 1.0) for i, path in enumerate(adapters)
+        (path, scales[i] if i < len(scales) else 1.0, f"LoraAdapters[{i}]")
+        for i, path in enumerate(adapters)
     ]
     made = []
-    for path, value in named:
+    for path, value, named_by in named:
         folder = Path(path).expanduser()
         if not folder.is_absolute() and model_path:
             folder = Path(model_path) / folder
-        made.append(Adapter(folder, value))
+        made.append(Adapter(folder, value, named_by))
     return tuple(made)
