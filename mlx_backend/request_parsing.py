@@ -19,6 +19,7 @@ from mlx_backend.output.chat_output import (
     ReplyStart,
     find_reply_start,
 )
+from mlx_backend.refusals import describe_path
 from python_utils import (
     MAX_DRAFT_TOKENS,
     TemplateArgs,
@@ -363,6 +364,7 @@ def parse_load(request) -> LoadPlan:
         raise InvalidArgument("Threads must not be negative")
     if request.Threads:
         options = dataclasses.replace(options, threads=request.Threads)
+    check_prompt_cache_dir(options.prompt_cache_dir)
     adapters = make_adapters(
         request.LoraAdapter,
         request.LoraScale,
@@ -380,3 +382,13 @@ def parse_load(request) -> LoadPlan:
         options=options,
         context_size=request.ContextSize,
     )
+
+
+def check_prompt_cache_dir(folder: str) -> None:
+    """The option prompt_cache_dir names a folder (created on the first write);
+    anything else is described, never read."""
+    if folder and Path(folder).exists() and not Path(folder).is_dir():
+        raise InvalidArgument(
+            f"Options: prompt_cache_dir: {folder} is {describe_path(Path(folder))}, "
+            "not a folder"
+        )

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 
 from mlx_backend.caches.kinds import cache_length
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.refusals import describe_path
 from mlx_cache import common_length
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,11 @@ def confine(path: str, roots: Sequence[Path], field: str = "PromptCachePath") ->
         # An absolute path replaces allowed[0].
         resolved = (allowed[0] / path).resolve()
     except (OSError, RuntimeError, ValueError) as e:  # a NUL byte, a link loop
-        raise InvalidArgument(f"{field} {path!r} can't be resolved: {e}") from None
+        raise InvalidArgument(f"{field}: {path!r} can't be resolved: {e}") from None
     # A root itself is a folder, not a file inside it.
     if not any(resolved != root and resolved.is_relative_to(root) for root in allowed):
         raise InvalidArgument(
-            f"{field} {path!r} is not inside the allowed folders "
+            f"{field}: {path!r} is not inside the allowed folders "
             f"({', '.join(str(root) for root in allowed)})"
         )
     return resolved
@@ -101,7 +102,7 @@ def _header(path: Path) -> tuple[int, dict] | None:
             if not 0 < length <= 1 << 24:
                 return None
             header = json.loads(f.read(length))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return (length, header) if isinstance(header, dict) else None
 
@@ -109,7 +110,8 @@ def _header(path: Path) -> tuple[int, dict] | None:
 def is_prompt_file(path: Path) -> bool:
     """Whether ``path`` is a regular file that save_state wrote (for any model)."""
     found = path.is_file() and _header(path)
-    return bool(found) and found[1].get("__metadata__", {}).get("0.format") == FORMAT
+    metadata = found[1].get("__metadata__") if found else None
+    return isinstance(metadata, dict) and metadata.get("0.format") == FORMAT
 
 
 def _complete(path: Path) -> bool:
@@ -265,6 +267,16 @@ def load_state(
         return None
     if not path.is_file():
         logger.warning("Ignoring the prompt cache file %s: not a regular file", path)
+        return None
+    # A request may name any file under the allowed folders: only one whose header
+    # says save_state wrote it is read past its first bytes.
+    if not is_prompt_file(path):
+        logger.warning(
+            "Ignoring the prompt cache file %s: unreadable, not a prompt cache file "
+            "(%s)",
+            path,
+            describe_path(path),
+        )
         return None
     try:
         return _read(path, fingerprint, layers)
