@@ -283,7 +283,7 @@ class Scheduler:
         except Exception as e:
             logger.exception("could not start a generation")
             stream.put(e)
-            return
+            return True
         self.running[seq.key] = seq
         logger.info(
             "prompt: %d tokens, %d from the prompt cache",
