@@ -2,6 +2,7 @@
 
 import copy
 import logging
+import time
 from collections import deque
 
 import mlx.nn as nn
@@ -17,7 +18,7 @@ from mlx_backend.decoders.base import (
     StepResult,
     thread_stream,
 )
-from mlx_backend.decoders.step_budget import StepBudget
+from mlx_backend.decoders.step_budget import DepthScale, StepBudget
 from mlx_utils import Scored, gather_logprobs
 from python_utils import LoadOptions
 
@@ -47,6 +48,7 @@ class BatchDecoder(Decoder):
         self._snapshots: dict[int, list[tuple[int, ...]]] = {}
         self._pace = pace
         self.budget = budget
+        self._depth = DepthScale(budget)
         self._batch = self._make_batch()
 
     def _make_batch(self) -> BatchGenerator:
@@ -90,7 +92,8 @@ class BatchDecoder(Decoder):
         return uid
 
     def step(self) -> list[StepResult]:
-        self._plan_prefill()
+        budgeted = self._plan_prefill()
+        start = time.perf_counter()
         try:
             prompt_responses, responses = self._batch.next()
         except Exception as e:
@@ -102,6 +105,9 @@ class BatchDecoder(Decoder):
             ]
             self.reset()
             return failed
+        if budgeted:
+            # The prefill's evaluation waits for the decode pass: the whole step.
+            self._depth.observe(time.perf_counter() - start)
         snapshots = self._take_snapshots(prompt_responses)
         responses = [r for r in responses if r.uid in self._rows]
         if responses:
@@ -133,9 +139,10 @@ class BatchDecoder(Decoder):
         ]
         return results
 
-    def _plan_prefill(self) -> None:
+    def _plan_prefill(self) -> bool:
         """This step's prefill: the shortest waiting prompts join it first, and
-        while sequences decode its chunks keep within the step token budget."""
+        while sequences decode its chunks keep within the step token budget
+        (then True)."""
         batch = self._batch
         waiting = batch._unprocessed_sequences
         if len(waiting) > 1:
@@ -144,9 +151,13 @@ class BatchDecoder(Decoder):
         prefilling = min(
             batch.prefill_batch_size, len(batch._prompt_batch) + len(waiting)
         )
+        decoding = len(batch._generation_batch)
+        if not prefilling:
+            self._depth.reset()
         batch.prefill_step_size = self.budget.chunk(
-            len(batch._generation_batch), prefilling, self._options.prefill_step_size
+            decoding, prefilling, self._options.prefill_step_size, self._depth.value
         )
+        return self.budget.applies(decoding, prefilling)
 
     def kv_nbytes(self) -> int:
         return self._batch.prompt_cache_nbytes

@@ -9,6 +9,7 @@ waiting for it to end. With nothing decoding, prompts are prefilled in chunks of
 """
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -24,8 +25,9 @@ logger = logging.getLogger(__name__)
 # prefills at about this share of its speed alone while streams decode, and a
 # step takes a few plain decode steps' time.
 PREFILL_SHARE = 2 / 3
-# Prompt tokens per prefilling row and step at least, however many rows.
-MIN_CHUNK = 32
+# Prompt tokens per prefilling row and step at least, however many rows or how
+# deep the context.
+MIN_CHUNK = 16
 # The load-time measurement's chunks: the first warms up, each later pair gives a
 # pass's fixed cost and a token's; the quickest of each size counts.
 MEASURE_CHUNKS = (16, 16, 64, 16, 64)
@@ -95,13 +97,43 @@ class StepBudget:
             )
         return text + ")"
 
-    def chunk(self, decoding: int, prefilling: int, step_size: int) -> int:
+    def applies(self, decoding: int, prefilling: int) -> bool:
+        return bool(self.tokens and decoding and prefilling)
+
+    def chunk(
+        self, decoding: int, prefilling: int, step_size: int, scale: float = 1.0
+    ) -> int:
         """Prompt tokens per prefilling row this step, with ``decoding``
-        sequences decoding and ``prefilling`` prompts being prefilled."""
-        if not self.tokens or not decoding or not prefilling:
+        sequences decoding and ``prefilling`` prompts being prefilled, and the
+        budget's prefill ``scale``d (``DepthScale``)."""
+        if not self.applies(decoding, prefilling):
             return step_size
-        share = (self.tokens - decoding) // prefilling
+        share = int((self.tokens - decoding) * scale) // prefilling
         return min(step_size, max(MIN_CHUNK, share))
+
+
+class DepthScale:
+    """Deep in a long context each prompt token costs more (attention reads the
+    whole context): the budget's chunks shrink until a budgeted step takes the
+    time it took at the start, measured step by step."""
+
+    def __init__(self, budget: StepBudget):
+        self.value = 1.0
+        costs = budget.costs
+        # A step's fixed time (a decode pass, a prefill pass), and its prefill's.
+        self._fixed = costs.decode_s + costs.pass_s if costs else 0.0
+        self._prefill = budget.tokens * costs.token_s if costs else 0.0
+
+    def observe(self, seconds: float) -> None:
+        """A budgeted step took ``seconds``: half a step towards the scale that
+        would have taken the budget's time (never above the budget)."""
+        if not self._prefill:
+            return
+        spent = max(seconds - self._fixed, self._prefill / 100)
+        self.value = min(1.0, max(0.01, self.value * math.sqrt(self._prefill / spent)))
+
+    def reset(self) -> None:
+        self.value = 1.0
 
 
 def choose_step_budget(option: int | None, step_size: int, costs: StepCosts | None):

@@ -11,6 +11,7 @@ from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.step_budget import (
     MIN_CHUNK,
+    DepthScale,
     StepBudget,
     StepCosts,
     choose_step_budget,
@@ -111,6 +112,26 @@ def test_chunks_share_the_budget_only_while_sequences_decode():
     assert chosen.chunk(decoding=4, prefilling=8, step_size=256) == MIN_CHUNK
     assert StepBudget(0, "off").chunk(4, 1, 256) == 256
     assert StepBudget(1000, "test").chunk(4, 1, 256) == 256
+
+
+def test_chunks_shrink_while_steps_take_longer_than_the_budget_s_time():
+    # 60 ms of fixed work a step, and 120 tokens at 1 ms: 180 ms a step.
+    chosen = choose_step_budget(None, 256, costs(40, 20, 1))
+    depth = DepthScale(chosen)
+    depth.observe(0.060 + 0.480)  # each token costs 4 ms deep in the context
+    assert depth.value == pytest.approx(0.5)
+    depth.observe(0.060 + 0.240)
+    assert depth.value == pytest.approx(0.5 * 0.5**0.5)
+    assert chosen.chunk(1, 1, 256, depth.value) == int(119 * depth.value)
+    depth.observe(0.060 + 0.0012)
+    assert depth.value == 1.0
+    depth.observe(1.0)
+    depth.reset()
+    assert depth.value == 1.0
+    # A budget the option set has nothing to scale by.
+    fixed = DepthScale(StepBudget(64, "step_token_budget:64"))
+    fixed.observe(5.0)
+    assert fixed.value == 1.0
 
 
 def test_budget_options_parse_and_check():
