@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,15 @@ def chat_messages(prompt: str | list[dict]) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
-def grpc_stream(stub, prompt: str | list[dict], tokens: int, eos: int) -> Stream:
+def grpc_stream(
+    stub,
+    prompt: str | list[dict],
+    tokens: int,
+    eos: int,
+    first_token: threading.Event | None = None,
+) -> Stream:
+    """A greedy PredictStream with ``eos`` banned; ``first_token`` is set when the
+    first text arrives, for callers that act once a stream is decoding."""
     request = pb.PredictOptions(
         UseTokenizerTemplate=True,
         Messages=[pb.Message(**m) for m in chat_messages(prompt)],
@@ -84,14 +93,22 @@ def grpc_stream(stub, prompt: str | list[dict], tokens: int, eos: int) -> Stream
         if reply.message:
             arrivals.append(time.perf_counter())
             chunks.append(reply.message)
+            if first_token is not None:
+                first_token.set()
         prompt_tokens = max(prompt_tokens, reply.prompt_tokens)
     text = b"".join(chunks).decode()
     return Stream(start, arrivals, reply.tokens, text, prompt_tokens)
 
 
 def http_stream(
-    port: int, model: str, prompt: str | list[dict], tokens: int, eos: int
+    port: int,
+    model: str,
+    prompt: str | list[dict],
+    tokens: int,
+    eos: int,
+    first_token: threading.Event | None = None,
 ) -> Stream:
+    """``grpc_stream``'s request as mlx_lm.server's streaming chat completion."""
     body = {
         "model": model,
         "messages": chat_messages(prompt),
@@ -131,6 +148,8 @@ def http_stream(
         if content:
             arrivals.append(time.perf_counter())
             texts.append(content)
+            if first_token is not None:
+                first_token.set()
     connection.close()
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Stream(
@@ -143,9 +162,9 @@ def http_stream(
     )
 
 
-def run_concurrently(make_stream, prompts: list) -> list[Stream]:
-    """One stream per prompt, all started at once; RuntimeError if any failed or
-    returned no text."""
+def run_all(make_stream, prompts: list) -> list[Stream | Exception]:
+    """One stream per prompt, all started at once; each stream, or the exception
+    it ended with."""
     streams: list = [None] * len(prompts)
 
     def run(i):
@@ -159,6 +178,12 @@ def run_concurrently(make_stream, prompts: list) -> list[Stream]:
         t.start()
     for t in threads:
         t.join()
+    return streams
+
+
+def run_concurrently(make_stream, prompts: list) -> list[Stream]:
+    """``run_all``'s streams; RuntimeError if any failed or returned no text."""
+    streams = run_all(make_stream, prompts)
     for s in streams:
         if isinstance(s, Exception):
             raise RuntimeError(f"a stream failed: {s!r}") from s
@@ -195,9 +220,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class MlxLmProcess:
+    """A running mlx_lm.server: its port, and its pid for memory readings."""
+
+    port: int
+    pid: int
+
+
 @contextmanager
-def mlx_lm_server(folder: str, log_folder: str):
+def mlx_lm_server(folder: str, log_folder: str) -> Iterator[int]:
     """``python -m mlx_lm.server`` on ``folder``; yields its port."""
+    with mlx_lm_process(folder, log_folder) as server:
+        yield server.port
+
+
+@contextmanager
+def mlx_lm_process(folder: str, log_folder: str) -> Iterator[MlxLmProcess]:
+    """``python -m mlx_lm.server`` on ``folder``, once it answers."""
     port = free_port()
     log_path = Path(log_folder) / "mlx_lm_server.log"
     with open(log_path, "w") as log:
@@ -222,7 +262,7 @@ def mlx_lm_server(folder: str, log_folder: str):
                     f"mlx_lm.server did not start:\n{log_path.read_text()}"
                 )
             time.sleep(0.2)
-        yield port
+        yield MlxLmProcess(port, process.pid)
     finally:
         process.terminate()
         process.wait(30)

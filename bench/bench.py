@@ -36,6 +36,11 @@
    tokens reused and the snapshots' bytes, for a chat and an agent's tool loop;
    decode tok/s on a copy workload with speculation auto and off, and its
    acceptance; speculation with rollback in-process (bench/rollback.py).
+11. Admission under load (bench/admission.py), next to mlx_lm.server: a ~3800-token
+   prompt arriving while two streams decode (their longest inter-token gap, a short
+   request's TTFT, the long one's against its prefill alone); 32 concurrent long
+   prompts against a backend with a memory_budget (peak RSS, wall time, failures);
+   aggregate tok/s at 8 and 16 streams.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the
@@ -57,6 +62,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import backend_pb2 as pb
+from bench.admission import bench_admission
 from bench.batching import bench_batching
 from bench.chat_formats import bench_chat_formats
 from bench.cpu_paths import bench_cpu_paths
@@ -128,7 +134,7 @@ def append_results(path: Path, header: str, parts: list[int], lines: list[str]) 
     the date (UTC), the commit and the machine's ``header``, then ``lines`` fenced."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ran = ", ".join(map(str, parts))
-    which = "all" if parts == list(range(1, 11)) else ran
+    which = "all" if parts == list(range(1, 12)) else ran
     tables = "\n".join(line.rstrip() for line in lines).strip("\n")
     section = [
         "",
@@ -163,10 +169,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distributed-rounds", type=int, default=1)
     parser.add_argument("--distributed-tokens", type=int, default=32)
     parser.add_argument("--families-rounds", type=int, default=1)
+    parser.add_argument("--admission-rounds", type=int, default=2)
+    parser.add_argument(
+        "--admission-flood-tokens",
+        type=int,
+        default=1000,
+        help="part 11's flood prompt length in tokens (issue 39 asks for 2000)",
+    )
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 11)),
+        default=set(range(1, 12)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -269,6 +282,17 @@ def main(argv: list[str] | None = None) -> None:
                 running_server, folder, args.families_rounds
             )
             lines += [""] + part
+        if 11 in parts:
+            report["admission"], part = bench_admission(
+                fast,
+                running_process,
+                str(exported),
+                folder,
+                args.admission_rounds,
+                args.batch_tokens,
+                args.admission_flood_tokens,
+            )
+            lines += [""] + part
     if 7 in parts:
         # After the other parts' servers are gone: each rank wants the cores.
         report["distributed"], part = bench_distributed(
@@ -282,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
     if not args.no_results:
         linux = sys.platform == "linux"  # part 2 runs on Linux only
-        ran = [n for n in range(1, 11) if n in parts and (n != 2 or linux)]
+        ran = [n for n in range(1, 12) if n in parts and (n != 2 or linux)]
         append_results(RESULTS, header, ran, lines)
         sys.stdout.write(f"appended to {RESULTS}\n")
 

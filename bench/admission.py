@@ -1,0 +1,486 @@
+"""Part 11 of ``make bench``: admission under load, next to mlx_lm.server.
+
+The backend (gRPC) and ``mlx_lm.server`` (HTTP) serve the same weights, greedy
+with EOS banned, on prompts of varied text (``bench.model_families.varied_text``),
+so that neither n-gram lookup nor a prompt cache changes what is measured.
+
+1. A long prompt while two streams decode: two long replies start; once both
+   stream, a ~3800-token prompt arrives, and 0.5 s later a one-line request.
+   The running streams' longest inter-token gap against their median, the short
+   request's time to first token, and the long one's against the same length of
+   prompt sent alone to the idle server (a different opening, which no prompt
+   cache holds).
+2. A memory flood: 32 concurrent requests with distinct long prompts, against a
+   backend loaded with ``memory_budget`` set to the weights plus a quarter of the
+   KV the flood would need. The server's peak RSS (sampled every 50 ms), the wall
+   time and the failed requests; the highest ``budget_kv_bytes`` Status reports.
+   ``mlx_lm.server`` takes the same flood. Each side runs on a fresh server.
+3. Aggregate tokens/s at 8 and 16 streams on part 4's prompts, in alternating
+   rounds.
+"""
+
+import dataclasses
+import json
+import logging
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+import backend_pb2 as pb
+from bench.batching import (
+    TOPICS,
+    Stream,
+    chat_messages,
+    grpc_stream,
+    http_stream,
+    mlx_lm_process,
+    run_all,
+    run_level,
+)
+from bench.model_families import varied_text
+from tests.support import rss_kib
+
+logger = logging.getLogger(__name__)
+
+EOS = 2
+SEED = 39
+# Scenario 1: the running streams' replies outlast the long prompt's prefill.
+STREAM_TOKENS = 320
+LONG_TOKENS = 3800
+REPLY_TOKENS = 16
+SHORT_DELAY_S = 0.5
+# Scenario 2. Issue 39 asks for ~2000-token prompts: 32 of them take over 5
+# minutes a side on 2 cores, so the default is half that (--admission-flood-tokens).
+FLOOD_REQUESTS = 32
+FLOOD_TOKENS = 1000
+FLOOD_REPLY_TOKENS = 64
+RSS_INTERVAL_S = 0.05
+# Status goes through the engine's server; every 10th RSS sample is enough.
+STATUS_EVERY = 10
+# Scenario 3; rounds numbered past part 4's, whose prompts the backend may cache.
+LEVELS = (8, 16)
+ROUND_OFFSET = 100
+# What Status reports once LoadModel takes memory_budget and step_token_budget.
+BUDGET_KEYS = (
+    "memory_budget_bytes",
+    "budget_weights_bytes",
+    "budget_kv_bytes",
+    "budget_prompt_cache_bytes",
+    "budget_prefill_bytes",
+    "step_token_budget",
+    "requests_waiting",
+)
+GOAL_GAP_RATIO = 5.0
+GOAL_SHORT_TTFT_S = 1.0
+GOAL_LONG_OVER_ALONE = 1.5
+GOAL_THROUGHPUT_8 = 1.25
+LABELS = {"grpc": "backend", "mlx_lm": "mlx_lm.server"}
+MIB = 2**20
+
+# (prompt, max tokens, set at the first text) -> the stream.
+Maker = Callable[[str | list[dict], int, threading.Event | None], Stream]
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    """Scenario 1 on one server."""
+
+    gap_max_s: float
+    gap_p50_s: float
+    short_ttft_s: float
+    long_ttft_s: float
+    alone_ttft_s: float
+    # Whether the running streams still decoded when the long reply began.
+    streams_outlast_long: bool
+
+    @property
+    def gap_ratio(self) -> float:
+        return self.gap_max_s / self.gap_p50_s
+
+    @property
+    def long_over_alone(self) -> float:
+        return self.long_ttft_s / self.alone_ttft_s
+
+
+@dataclass(frozen=True)
+class FloodPlan:
+    """The flood's KV and the budget derived from it."""
+
+    requests: int
+    tokens: int  # prompt and reply tokens of all requests
+    kv_bytes_per_token: int
+    kv_formula: str
+    weights_bytes: int
+    weights_source: str
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.tokens * self.kv_bytes_per_token
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes // 4
+
+
+@dataclass(frozen=True)
+class Flood:
+    """Scenario 2 on one server."""
+
+    rss_before_bytes: int
+    peak_rss_bytes: int
+    wall_s: float
+    failed: int
+    # The highest value of each budget figure Status reported (backend only).
+    status_peaks: dict
+
+
+class PeakSampler:
+    """Polls a process's RSS every 50 ms on a thread, and ``probe`` (a dict of
+    int figures) every ``STATUS_EVERY`` samples, keeping the highest values."""
+
+    def __init__(self, pid: int, probe: Callable[[], dict] | None = None):
+        self.pid = pid
+        self.probe = probe
+        self.peak_kib = rss_kib(pid) or 0
+        self.peaks: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        count = 0
+        while not self.stop.wait(RSS_INTERVAL_S):
+            self.peak_kib = max(self.peak_kib, rss_kib(self.pid) or 0)
+            count += 1
+            if self.probe is not None and count % STATUS_EVERY == 0:
+                self.sample_probe()
+
+    def sample_probe(self) -> None:
+        try:
+            figures = self.probe()
+        except Exception as e:  # a busy server's late answer is not a failure
+            logger.info("Status during the flood failed: %r", e)
+            return
+        for key, value in figures.items():
+            self.peaks[key] = max(self.peaks.get(key, value), value)
+
+    def __enter__(self) -> "PeakSampler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        if self.probe is not None:
+            self.sample_probe()
+
+
+def grpc_maker(stub) -> Maker:
+    return lambda prompt, tokens, first: grpc_stream(stub, prompt, tokens, EOS, first)
+
+
+def http_maker(port: int) -> Maker:
+    return lambda prompt, tokens, first: http_stream(
+        port, "default_model", prompt, tokens, EOS, first
+    )
+
+
+def ttft(stream: Stream) -> float:
+    if not stream.arrivals:
+        raise RuntimeError("a stream returned no text: the figures would be wrong")
+    return stream.arrivals[0] - stream.start
+
+
+def breakdown(stub) -> dict:
+    return dict(stub.Status(pb.HealthMessage()).memory.breakdown)
+
+
+def wait_until_decoding(futures: list[Future], firsts: list[threading.Event]):
+    for future, first in zip(futures, firsts):
+        while not first.wait(0.05):
+            if future.done():
+                future.result()
+                raise RuntimeError("a running stream ended before its first token")
+
+
+def long_prompt_run(make: Maker, long_text: str) -> LongPrompt:
+    """Scenario 1 on one server: the long prompt alone, then under contention.
+    The two long prompts differ from their first word, so the second finds
+    nothing of the first in a prompt cache."""
+    alone = make(f"Document A. {long_text}", REPLY_TOKENS, None)
+    prompts = [f"Stream {i}. Write a long story about {TOPICS[i]}." for i in range(2)]
+    firsts = [threading.Event() for _ in prompts]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        running = [
+            pool.submit(make, prompt, STREAM_TOKENS, first)
+            for prompt, first in zip(prompts, firsts)
+        ]
+        wait_until_decoding(running, firsts)
+        long = pool.submit(make, f"Document B. {long_text}", REPLY_TOKENS, None)
+        time.sleep(SHORT_DELAY_S)
+        short = pool.submit(
+            make, "Short. What is the capital of France?", REPLY_TOKENS, None
+        )
+        streams = [future.result() for future in running]
+        long_stream, short_stream = long.result(), short.result()
+    gaps = [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:])]
+    long_first = long_stream.start + ttft(long_stream)
+    return LongPrompt(
+        gap_max_s=max(gaps),
+        gap_p50_s=statistics.median(gaps),
+        short_ttft_s=ttft(short_stream),
+        long_ttft_s=ttft(long_stream),
+        alone_ttft_s=ttft(alone),
+        streams_outlast_long=min(s.arrivals[-1] for s in streams) > long_first,
+    )
+
+
+def flood_plan(fast, folder: str, tokenizer, prompts: list[str]) -> FloodPlan:
+    """KV bytes per token from the model's config, at the dtype the backend serves
+    (float32 where it dequantized the weights), and the weights' bytes: Status's
+    ``budget_weights_bytes`` where the backend reports it, else its
+    ``dequantized_weights``, else the exported safetensors files."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config", config)
+    figures = breakdown(fast)
+    layers = config["num_hidden_layers"]
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    dtype_bytes, dtype = (
+        (4, "float32") if figures["dequantized_weights"] else (2, "16-bit")
+    )
+    tokens = FLOOD_REPLY_TOKENS * len(prompts) + sum(
+        len(tokenizer.apply_chat_template(chat_messages(p), add_generation_prompt=True))
+        for p in prompts
+    )
+    for key in ("budget_weights_bytes", "dequantized_weights"):
+        if figures.get(key, 0) > 0:
+            weights, source = figures[key], f"Status {key}"
+            break
+    else:
+        files = Path(folder).glob("*.safetensors")
+        weights, source = sum(f.stat().st_size for f in files), "safetensors files"
+    return FloodPlan(
+        requests=len(prompts),
+        tokens=tokens,
+        kv_bytes_per_token=layers * 2 * heads * head_dim * dtype_bytes,
+        kv_formula=f"{layers} layers x 2 x {heads} KV heads x {head_dim} x "
+        f"{dtype_bytes} B {dtype}",
+        weights_bytes=weights,
+        weights_source=source,
+    )
+
+
+def flood(make: Maker, prompts: list[str], pid: int, probe=None) -> Flood:
+    rss_before = (rss_kib(pid) or 0) * 1024
+    start = time.perf_counter()
+    with PeakSampler(pid, probe) as sampler:
+        streams = run_all(lambda p: make(p, FLOOD_REPLY_TOKENS, None), prompts)
+    wall = time.perf_counter() - start
+    failures = [s for s in streams if isinstance(s, Exception) or not s.arrivals]
+    for failure in failures[:3]:
+        logger.warning("a flood request failed: %r", failure)
+    return Flood(
+        rss_before, sampler.peak_kib * 1024, wall, len(failures), sampler.peaks
+    )
+
+
+def run_floods(
+    start_backend, folder: str, log_folder: str, prompts: list[str], plan: FloodPlan
+) -> dict[str, Flood]:
+    """Each side's flood on a fresh server, one after the other."""
+    floods = {}
+    with start_backend(options=(f"memory_budget:{plan.budget_bytes}",)) as server:
+
+        def probe() -> dict:
+            figures = breakdown(server.stub)
+            return {key: figures[key] for key in BUDGET_KEYS if key in figures}
+
+        make = grpc_maker(server.stub)
+        make("Warm up.", 4, None)
+        logger.info("admission: flood on the backend, budget %d B", plan.budget_bytes)
+        floods["grpc"] = flood(make, prompts, server.process.pid, probe)
+    with mlx_lm_process(folder, log_folder) as mlx_lm:
+        make = http_maker(mlx_lm.port)
+        make("Warm up.", 4, None)
+        logger.info("admission: flood on mlx_lm.server")
+        floods["mlx_lm"] = flood(make, prompts, mlx_lm.pid)
+    return floods
+
+
+def throughput(makers: dict[str, Maker], rounds: int, tokens: int) -> dict:
+    """``{side: {level: [run_level's figures per round]}}``, rounds alternating."""
+    sides: dict = {name: {level: [] for level in LEVELS} for name in makers}
+    for level in LEVELS:
+        for r in range(rounds):
+            order = list(makers.items())[:: 1 if r % 2 == 0 else -1]
+            for name, make in order:
+                logger.info("admission: %s, %d streams, round %d", name, level, r + 1)
+                run = run_level(
+                    lambda p: make(p, tokens, None), level, ROUND_OFFSET + r
+                )
+                sides[name][level].append(run)
+    return sides
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "missed"
+
+
+def long_prompt_lines(runs: dict[str, LongPrompt], prompt_tokens: int) -> list[str]:
+    lines = [
+        f"11. admission under load: (1) a {prompt_tokens}-token prompt while 2 "
+        f"streams decode {STREAM_TOKENS} tokens, a one-line request "
+        f"{SHORT_DELAY_S} s later ({REPLY_TOKENS} tokens each), greedy, EOS banned",
+        f"{'server':<15}{'gap max s':>10}{'ITL p50 ms':>11}{'max/p50':>9}"
+        f"{'short TTFT s':>13}{'long TTFT s':>12}{'alone s':>9}{'long/alone':>11}",
+    ]
+    for name, run in runs.items():
+        lines.append(
+            f"{LABELS[name]:<15}{run.gap_max_s:>10.2f}{run.gap_p50_s * 1000:>11.1f}"
+            f"{run.gap_ratio:>8.1f}x{run.short_ttft_s:>13.2f}{run.long_ttft_s:>12.2f}"
+            f"{run.alone_ttft_s:>9.2f}{run.long_over_alone:>10.2f}x"
+        )
+    ours = runs["grpc"]
+    lines.append(
+        f"backend goals: longest gap <= {GOAL_GAP_RATIO:.0f}x median "
+        f"{verdict(ours.gap_ratio <= GOAL_GAP_RATIO)}; short TTFT <= "
+        f"{GOAL_SHORT_TTFT_S:.0f} s {verdict(ours.short_ttft_s <= GOAL_SHORT_TTFT_S)}; "
+        f"long TTFT <= {GOAL_LONG_OVER_ALONE}x alone "
+        f"{verdict(ours.long_over_alone <= GOAL_LONG_OVER_ALONE)}"
+    )
+    ended = [LABELS[name] for name, run in runs.items() if not run.streams_outlast_long]
+    if ended:
+        lines.append(
+            "the running streams ended before the long reply began on "
+            + ", ".join(ended)
+        )
+    return lines
+
+
+def flood_lines(plan: FloodPlan, floods: dict[str, Flood], shrunk: bool) -> list[str]:
+    prompt = (plan.tokens - FLOOD_REPLY_TOKENS * plan.requests) // plan.requests
+    lines = [
+        f"(2) memory flood: {plan.requests} concurrent requests, distinct "
+        f"~{prompt}-token prompts, {FLOOD_REPLY_TOKENS} tokens each"
+        + (" (issue 39's 2000-token prompts shrunk to fit 2 cores)" if shrunk else ""),
+        f"KV {plan.kv_bytes_per_token} B/token ({plan.kv_formula}), the flood's "
+        f"{plan.kv_bytes / MIB:.0f} MiB; memory_budget {plan.budget_bytes} B = "
+        f"weights {plan.weights_bytes / MIB:.0f} MiB ({plan.weights_source}) + a "
+        f"quarter of the KV ({plan.kv_bytes // 4 / MIB:.0f} MiB), "
+        f"{plan.budget_bytes / MIB:.0f} MiB",
+        f"{'server':<15}{'RSS idle MiB':>13}{'peak RSS MiB':>13}{'peak/budget':>12}"
+        f"{'wall s':>8}{'failed':>8}",
+    ]
+    for name, run in floods.items():
+        lines.append(
+            f"{LABELS[name]:<15}{run.rss_before_bytes / MIB:>13.0f}"
+            f"{run.peak_rss_bytes / MIB:>13.0f}"
+            f"{run.peak_rss_bytes / plan.budget_bytes:>11.2f}x"
+            f"{run.wall_s:>8.1f}{run.failed:>8}"
+        )
+    peaks = floods["grpc"].status_peaks
+    if "budget_kv_bytes" in peaks and "memory_budget_bytes" in peaks:
+        kv = (
+            f"{peaks['budget_kv_bytes'] / MIB:.0f} MiB of "
+            f"{peaks['memory_budget_bytes'] / MIB:.0f} MiB budget"
+        )
+        waiting = peaks.get("requests_waiting")
+        if waiting is not None:
+            kv += f", at most {waiting} requests waiting"
+    else:
+        kv = "n/a (Status reports no budget figures)"
+    lines.append(f"backend Status, highest budget_kv_bytes: {kv}")
+    lines.append(
+        f"backend goal: zero failed requests {verdict(floods['grpc'].failed == 0)}"
+    )
+    return lines
+
+
+def throughput_lines(summary: dict, rounds: int, tokens: int) -> list[str]:
+    lines = [
+        f"(3) throughput: {tokens} tokens per stream, greedy, median of {rounds} "
+        f"alternating rounds",
+        f"{'streams':>7}{'backend tok/s':>15}{'mlx_lm tok/s':>14}{'ratio':>8}",
+    ]
+    for level in LEVELS:
+        ours, theirs = summary["grpc"][level], summary["mlx_lm"][level]
+        lines.append(f"{level:>7}{ours:>15.1f}{theirs:>14.1f}{ours / theirs:>7.2f}x")
+    ratio = summary["grpc"][8] / summary["mlx_lm"][8]
+    lines.append(
+        f"backend goal: >= {GOAL_THROUGHPUT_8}x mlx_lm.server at 8 streams "
+        f"{verdict(ratio >= GOAL_THROUGHPUT_8)} ({ratio:.2f}x)"
+    )
+    return lines
+
+
+def bench_admission(
+    fast,
+    start_backend,
+    folder: str,
+    log_folder: str,
+    rounds: int,
+    tokens: int,
+    flood_tokens: int = FLOOD_TOKENS,
+) -> tuple[dict, list[str]]:
+    """Args:
+    fast: The shared backend's stub (scenarios 1 and 3).
+    start_backend: ``running_process``: a fresh backend for the flood.
+    folder: The exported MLX folder that ``mlx_lm.server`` serves.
+    rounds, tokens: Scenario 3's rounds and tokens per stream.
+    flood_tokens: The length of each flood prompt's text, in tokens.
+    """
+    tokenizer = load_tokenizer(Path(folder))
+    rng = random.Random(SEED)
+    long_text = varied_text(rng, tokenizer, LONG_TOKENS)
+    prompts = [
+        f"Flood {i:02d}. " + varied_text(rng, tokenizer, flood_tokens)
+        for i in range(FLOOD_REQUESTS)
+    ]
+    long_prompts, sides = {}, {}
+    with mlx_lm_process(folder, log_folder) as mlx_lm:
+        makers = {"grpc": grpc_maker(fast), "mlx_lm": http_maker(mlx_lm.port)}
+        for name, make in makers.items():
+            make("Warm up.", 4, None)
+            logger.info("admission: long prompt on %s", name)
+            long_prompts[name] = long_prompt_run(make, long_text)
+        sides = throughput(makers, rounds, tokens)
+    plan = flood_plan(fast, folder, tokenizer, prompts)
+    floods = run_floods(start_backend, folder, log_folder, prompts, plan)
+    summary = {
+        name: {
+            level: statistics.median(r["throughput_tps"] for r in runs)
+            for level, runs in levels.items()
+        }
+        for name, levels in sides.items()
+    }
+    long_tokens = len(
+        tokenizer.apply_chat_template(
+            chat_messages(f"Document A. {long_text}"), add_generation_prompt=True
+        )
+    )
+    lines = (
+        long_prompt_lines(long_prompts, long_tokens)
+        + flood_lines(plan, floods, flood_tokens < 2000)
+        + throughput_lines(summary, rounds, tokens)
+    )
+    report = {
+        "long_prompt": {
+            name: dataclasses.asdict(run) | {"gap_ratio": run.gap_ratio}
+            for name, run in long_prompts.items()
+        },
+        "flood": {
+            "plan": dataclasses.asdict(plan) | {"budget_bytes": plan.budget_bytes},
+            **{name: dataclasses.asdict(run) for name, run in floods.items()},
+        },
+        "throughput": {"runs": sides, "summary": summary},
+    }
+    return report, lines
