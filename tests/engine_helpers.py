@@ -85,22 +85,27 @@ def on_engine_thread(engine: Engine, fn):
     return engine.call(lambda: fn(engine.served.model, engine.info.options)).result()
 
 
+def new_sequence(
+    model, options, prompt, max_tokens: int, logprobs: int | None = None
+) -> NewSequence:
+    """A greedy sequence with a fresh KV cache, for a decoder driven by hand."""
+    return NewSequence(
+        prompt=prompt,
+        rest=prompt,
+        kv_cache=make_kv_cache(model, options),
+        sampler=greedy_sampler,
+        processors=[],
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+    )
+
+
 def drive(
     decoder, model, options, prompts, max_tokens: int, logprobs: int | None
 ) -> dict:
     """Each prompt's greedy tokens, logprob entries and final KV state."""
     keys = [
-        decoder.add(
-            NewSequence(
-                prompt=prompt,
-                rest=prompt,
-                kv_cache=make_kv_cache(model, options),
-                sampler=greedy_sampler,
-                processors=[],
-                max_tokens=max_tokens,
-                logprobs=logprobs,
-            )
-        )
+        decoder.add(new_sequence(model, options, prompt, max_tokens, logprobs))
         for prompt in prompts
     ]
     out = {key: ([], [], None) for key in keys}

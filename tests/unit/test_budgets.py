@@ -5,7 +5,6 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache
-from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
@@ -25,6 +24,7 @@ from mlx_backend.engine.memory_budget import (
 from mlx_backend.errors import InvalidArgument, ResourceExhausted
 from mlx_utils import make_kv_cache
 from python_utils import LoadOptions, parse_options
+from tests.engine_helpers import new_sequence
 from tests.tiny_models import tiny_model
 
 
@@ -145,14 +145,7 @@ def test_budget_options_parse_and_check():
 
 def sequence(model, options, length: int, max_tokens: int) -> NewSequence:
     prompt = tuple((i % 60) + 1 for i in range(length))
-    return NewSequence(
-        prompt=prompt,
-        rest=prompt,
-        kv_cache=make_kv_cache(model, options),
-        sampler=greedy_sampler,
-        processors=[],
-        max_tokens=max_tokens,
-    )
+    return new_sequence(model, options, prompt, max_tokens)
 
 
 def test_the_shortest_waiting_prompt_takes_a_free_prefill_slot_first():
