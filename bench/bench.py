@@ -62,7 +62,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import backend_pb2 as pb
-from bench.admission import bench_admission
+from bench.admission import FLOOD_TOKENS, bench_admission
 from bench.batching import bench_batching
 from bench.chat_formats import bench_chat_formats
 from bench.cpu_paths import bench_cpu_paths
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--admission-flood-tokens",
         type=int,
-        default=1000,
+        default=FLOOD_TOKENS,
         help="part 11's flood prompt length in tokens (issue 39 asks for 2000)",
     )
     parser.add_argument(
