@@ -367,6 +367,36 @@ def long_prompt_lines(runs: dict[str, LongPrompt], prompt_tokens: int) -> list[s
     return lines
 
 
+def status_peaks(run: Flood) -> str:
+    """The highest budget figures Status reported, or n/a."""
+    peaks = run.status_peaks
+    if "budget_kv_bytes" not in peaks or "memory_budget_bytes" not in peaks:
+        return "highest budget_kv_bytes n/a (Status reports no budget figures)"
+    # The parts the KV shares the budget with, each at its own highest.
+    parts = ", ".join(
+        f"{label} {peaks[key] / MIB:.0f}"
+        for key, label in (
+            ("budget_weights_bytes", "weights"),
+            ("budget_prefill_bytes", "prefill"),
+            ("budget_prompt_cache_bytes", "prompt cache"),
+        )
+        if key in peaks
+    )
+    text = (
+        f"highest budget_kv_bytes {peaks['budget_kv_bytes'] / MIB:.0f} MiB of "
+        f"memory_budget_bytes {peaks['memory_budget_bytes'] / MIB:.0f} MiB"
+    )
+    if parts:
+        text += f" (highest {parts} MiB)"
+    for key, label in (
+        ("requests_waiting", "requests waiting"),
+        ("step_token_budget", "step_token_budget"),
+    ):
+        if key in peaks:
+            text += f"; {label} at most {peaks[key]}"
+    return text
+
+
 def flood_lines(plan: FloodPlan, floods: dict[str, Flood], shrunk: bool) -> list[str]:
     prompt = (plan.tokens - FLOOD_REPLY_TOKENS * plan.requests) // plan.requests
     lines = [
@@ -392,18 +422,7 @@ def flood_lines(plan: FloodPlan, floods: dict[str, Flood], shrunk: bool) -> list
             f"{run.peak_rss_bytes / plan.budget_bytes:>11.2f}x"
             f"{run.wall_s:>8.1f}{run.failed:>8}"
         )
-    peaks = floods["grpc"].status_peaks
-    if "budget_kv_bytes" in peaks and "memory_budget_bytes" in peaks:
-        kv = (
-            f"{peaks['budget_kv_bytes'] / MIB:.0f} MiB of "
-            f"{peaks['memory_budget_bytes'] / MIB:.0f} MiB budget"
-        )
-        waiting = peaks.get("requests_waiting")
-        if waiting is not None:
-            kv += f", at most {waiting} requests waiting"
-    else:
-        kv = "n/a (Status reports no budget figures)"
-    lines.append(f"backend Status, highest budget_kv_bytes: {kv}")
+    lines.append(f"backend Status during the flood: {status_peaks(floods['grpc'])}")
     lines.append(
         f"backend goal: zero failed requests {verdict(floods['grpc'].failed == 0)}"
     )
