@@ -63,12 +63,12 @@ FLOOD_REQUESTS = 32
 FLOOD_TOKENS = 500
 FLOOD_REPLY_TOKENS = 64
 RSS_INTERVAL_S = 0.05
-# Status goes through the engine's server; every 10th RSS sample is enough.
+# Status is a call to the busy server: every 10th RSS sample is enough.
 STATUS_EVERY = 10
 # Scenario 3; rounds numbered past part 4's, whose prompts the backend may cache.
 LEVELS = (8, 16)
 ROUND_OFFSET = 100
-# What Status reports once LoadModel takes memory_budget and step_token_budget.
+# The figures of the memory budget and the step token budget in Status.
 BUDGET_KEYS = (
     "memory_budget_bytes",
     "budget_weights_bytes",
