@@ -18,7 +18,7 @@ from mlx_backend.decoders.base import (
     StepResult,
     thread_stream,
 )
-from mlx_backend.decoders.step_budget import DepthScale, StepBudget
+from mlx_backend.decoders.step_budget import NO_STEP_BUDGET, DepthScale, StepBudget
 from mlx_utils import Scored, gather_logprobs
 from python_utils import LoadOptions
 
@@ -35,7 +35,7 @@ class BatchDecoder(Decoder):
         options: LoadOptions,
         trimmable: bool,
         pace: bool = False,
-        budget: StepBudget = StepBudget(0, "not set"),
+        budget: StepBudget = NO_STEP_BUDGET,
     ):
         self._model = model
         self._options = options

@@ -17,7 +17,7 @@ from mlx_backend.decoders.speculative import (
     measure_verify_costs,
     replay_room,
 )
-from mlx_backend.decoders.step_budget import StepBudget
+from mlx_backend.decoders.step_budget import NO_STEP_BUDGET, StepBudget
 from mlx_utils import make_kv_cache, model_signature, unbatchable_reason
 from python_utils import LoadOptions
 
@@ -28,7 +28,7 @@ def make_plain_decoder(
     model: nn.Module,
     options: LoadOptions,
     pace: bool = False,
-    budget: StepBudget = StepBudget(0, "not set"),
+    budget: StepBudget = NO_STEP_BUDGET,
 ) -> Decoder:
     """The plain decoder for a loaded model: batched when its KV caches can be
     merged, with paced CPU steps when ``pace`` (``make_pacing``) and prefill
@@ -46,7 +46,7 @@ def make_decoder(
     options: LoadOptions,
     draft: nn.Module | None = None,
     pace: bool = False,
-    budget: StepBudget = StepBudget(0, "not set"),
+    budget: StepBudget = NO_STEP_BUDGET,
 ) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
     can be merged, with paced CPU steps when ``pace``), speculating for a lone

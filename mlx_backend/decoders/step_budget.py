@@ -112,6 +112,10 @@ class StepBudget:
         return min(step_size, max(MIN_CHUNK, share))
 
 
+# Chunks of ``prefill_step_size`` whatever runs (a group, or a decoder built alone).
+NO_STEP_BUDGET = StepBudget(0, "none")
+
+
 class DepthScale:
     """Deep in a long context each prompt token costs more (attention reads the
     whole context): the budget's chunks shrink until a budgeted step takes the

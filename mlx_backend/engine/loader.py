@@ -24,6 +24,7 @@ from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
 from mlx_backend.decoders.measured import measured_once
 from mlx_backend.decoders.step_budget import (
+    NO_STEP_BUDGET,
     StepBudget,
     StepCosts,
     choose_step_budget,
@@ -70,7 +71,7 @@ class ServedModel:
     store: PromptStore
     # What admission follows; None over a distributed group, which measures nothing.
     budget: MemoryBudget | None = None
-    step_budget: StepBudget = StepBudget(0, "not set")
+    step_budget: StepBudget = NO_STEP_BUDGET
 
 
 @dataclass(frozen=True)
