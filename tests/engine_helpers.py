@@ -1,11 +1,13 @@
 """Helpers for tests of the engine and its decoders: an in-process engine loaded
 with load options (``load_engine``), generation requests for it, its events run
 and collected, its stats once idle and calls on its thread; a decoder driven by
-hand (``drive``); and the float64 log-softmax that logprobs are checked against."""
+hand (``drive``) and two such decodes compared (``assert_greedy_close``); and the float64 log-softmax that logprobs are checked against.
+"""
 
 import asyncio
 
 import numpy as np
+import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_backend.decoders.base import NewSequence
@@ -121,6 +123,25 @@ def drive(
                 state = result.state or decoder.remove(result.key)
                 out[result.key] = (tokens, scores, state)
     return [out[key] for key in keys]
+
+
+def assert_greedy_close(ours: tuple, theirs: tuple, noise: float) -> None:
+    """Two greedy decodes of one prompt (``drive``'s tokens and top-2 logprob
+    entries) agree token for token, the logprobs they share within ``noise``, up
+    to a near tie: both then had the same two best tokens, within 2 * ``noise``.
+    A masking or padding mistake moves logprobs by whole units."""
+    (our_tokens, our_scores, _), (their_tokens, their_scores, _) = ours, theirs
+    assert len(our_tokens) == len(their_tokens)
+    for mine, theirs_, (_, my_top), (_, their_top) in zip(
+        our_tokens, their_tokens, our_scores, their_scores
+    ):
+        my_top, their_top = dict(my_top), dict(their_top)
+        assert {mine, theirs_} <= my_top.keys() & their_top.keys()
+        for token in my_top.keys() & their_top.keys():
+            assert my_top[token] == pytest.approx(their_top[token], abs=noise)
+        if mine != theirs_:
+            assert my_top.keys() == their_top.keys()
+            return
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

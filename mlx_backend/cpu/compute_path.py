@@ -1,5 +1,6 @@
-"""How a loaded model runs on this device: on a CPU with a fast BLAS, quantized
-weights are dequantized to float32 when that is faster and they fit."""
+"""How a loaded model runs on this device: on a CPU, quantized weights run on the
+SIMD kernels as stored, or (without them) are dequantized to float32 for a fast
+BLAS when they fit."""
 
 import dataclasses
 import os
@@ -10,6 +11,7 @@ import mlx.nn as nn
 from mlx_lm.utils import get_total_parameters
 
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_memory
+from mlx_backend.cpu.kernels import kernel_settings, load_kernels, runs_on_kernels
 from mlx_utils import dequantize_to_float32
 from python_utils import switched_off
 
@@ -42,14 +44,24 @@ class ComputePath:
     blas_threads: int = 0
     # Batched CPU decode steps are paced (``Pacing``).
     paced: bool = False
+    # The SIMD kernels' instruction set ("" when quantized layers don't use them),
+    # and their threads.
+    kernel_isa: str = ""
+    kernel_threads: int = 0
 
     def breakdown(self) -> dict[str, int]:
-        return {
+        figures = {
             "fast_blas": int(self.fast_blas),
             "dequantized_weights": self.dequantized_bytes,
             "blas_threads": self.blas_threads,
             "cpu_paced": int(self.paced),
+            "cpu_kernels": int(bool(self.kernel_isa)),
+            "cpu_kernel_threads": self.kernel_threads,
         }
+        if self.kernel_isa:
+            # Status carries numbers only: the instruction set is in the key.
+            figures[f"cpu_kernel_isa_{self.kernel_isa.split()[0]}"] = 1
+        return figures
 
     def extended(self, note: str, **changes) -> "ComputePath":
         """This path with ``note`` added to its description, and ``changes``."""
@@ -59,16 +71,24 @@ class ComputePath:
 
 
 def prepare_for_cpu(
-    model: nn.Module, dequantize: bool | None, max_bytes: int | None
+    model: nn.Module,
+    dequantize: bool | None,
+    max_bytes: int | None,
+    kernels: bool = True,
+    int8_activations: bool = False,
 ) -> tuple[nn.Module, ComputePath]:
     """Pick the fastest correct weight layout for the CPU device.
 
-    MLX's quantized CPU kernels cost the same per row at any batch size, while a
-    float32 matmul through a fast BLAS is several times faster for one row and far
-    faster for many. So quantized weights are dequantized when they fit the budget.
+    Quantized weights stay quantized and run on the SIMD kernels (``cpu/kernels``)
+    unless ``dequantize`` is true or ``kernels`` is false; ``int8_activations`` has
+    them round activations to int8. Without the kernels, MLX's
+    quantized CPU kernels cost the same per row at any batch size, while a float32
+    matmul through a fast BLAS is several times faster for one row and far faster
+    for many; so quantized weights are dequantized when they fit the budget.
 
     Returns:
-        The model to use and the path taken.
+        The model to use and the path taken. On the kernels' path the caller routes
+        the layers (``use_kernels``) once adapters and sharding are applied.
     """
     if mx.default_device().type != mx.cpu:
         return model, ComputePath("GPU, weights as loaded", prefill_step_size=512)
@@ -79,6 +99,20 @@ def prepare_for_cpu(
         return model, ComputePath(f"CPU, {blas_text}, unquantized weights", fast)
     if switched_off(os.environ, DEQUANTIZE_ENV):
         dequantize = False
+    no_kernels = "tensor parallel" if not kernels else load_kernels()[1]
+    if not no_kernels and not any(
+        runs_on_kernels(m) for _, m in model.named_modules() if hasattr(m, "bits")
+    ):
+        no_kernels = "no layer in a format they take"
+    if not dequantize and not no_kernels:
+        load_kernels()[0].set_int8_activations(int8_activations)
+        settings = kernel_settings()
+        return model, ComputePath(
+            f"CPU, {blas_text}, quantized weights on {settings.describe()}",
+            fast,
+            kernel_isa=settings.isa,
+            kernel_threads=settings.threads,
+        )
     budget = max_bytes or int(physical_memory() * DEQUANTIZE_MEMORY_FRACTION)
     needed = float32_bytes(model)
     if dequantize is None:
@@ -91,12 +125,16 @@ def prepare_for_cpu(
         else:
             why = "off"
         return model, ComputePath(
-            f"CPU, {blas_text}, quantized kernels (dequantize: {why})", fast
+            f"CPU, {blas_text}, MLX's quantized kernels (SIMD kernels: "
+            f"{no_kernels or 'off'}; dequantize: {why})",
+            fast,
         )
     model = dequantize_to_float32(model)
     mx.eval(model.parameters())
+    kernels_text = f"; SIMD kernels: {no_kernels}" if no_kernels else ""
     return model, ComputePath(
-        f"CPU, {blas_text}, weights dequantized to float32 ({needed >> 20} MiB)",
+        f"CPU, {blas_text}, weights dequantized to float32 ({needed >> 20} MiB)"
+        f"{kernels_text}",
         fast,
         needed,
     )

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from mlx_backend.caches.kinds import REUSE_BY_TRIM, CacheKinds, make_cache_kinds
 from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
+from mlx_backend.cpu.kernels import kernel_settings, match_blas_threads
 from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
@@ -172,7 +173,10 @@ def prepare(
     path = info.compute_path.extended(pacing.describe(), paced=pacing.paced)
     for note in notes:
         path = path.extended(note)
-    info = replace(info, compute_path=replace(path, blas_threads=blas_threads() or 0))
+    path = replace(path, blas_threads=blas_threads() or 0)
+    if path.kernel_isa:
+        path = replace(path, kernel_threads=kernel_settings().threads)
+    info = replace(info, compute_path=path)
     costs = None
     if lockstep is None:
         # A group's ranks would have to run the measurement's collectives together.
@@ -272,6 +276,7 @@ class Loader:
         options = resolved.plan.options
         max_bytes = prompt_cache_bytes(options)
         threads = apply_blas_threads(options.threads, lockstep is not None)
+        match_blas_threads(options.threads)
         if lockstep is not None:
             lockstep.stall_seconds = options.distributed_step_timeout
             mode = resolved.sharding.mode

@@ -15,6 +15,7 @@ from mlx_lm.utils import load as load_mlx_folder
 
 from mlx_backend.caches.kinds import CacheKinds
 from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
+from mlx_backend.cpu.kernels import use_kernels
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.formats.base import ChatFormat
 from mlx_backend.formats.registry import make_chat_format
@@ -267,9 +268,14 @@ def load_draft(
             f"model's ({len(ours)} tokens; {differing} entries differ)"
         )
     mx.eval(draft.model.parameters())
-    model, _ = prepare_for_cpu(
-        draft.model, options.dequantize, options.dequantize_max_bytes
+    model, path = prepare_for_cpu(
+        draft.model,
+        options.dequantize,
+        options.dequantize_max_bytes,
+        int8_activations=options.int8_activations,
     )
+    if path.kernel_isa:
+        use_kernels(model)
     logger.info("draft model: %s", draft.source)
     return model
 
@@ -349,8 +355,13 @@ def prepare_model(
     if sharding is not None and sharding.early:
         layout = sharding.apply(loaded.model)
     mx.eval(loaded.model.parameters())
+    tensor_parallel = sharding is not None and not sharding.early
     model, compute_path = prepare_for_cpu(
-        loaded.model, options.dequantize, options.dequantize_max_bytes
+        loaded.model,
+        options.dequantize,
+        options.dequantize_max_bytes,
+        kernels=not tensor_parallel,
+        int8_activations=options.int8_activations,
     )
     if adapters:
         # After dequantizing: the adapters then wrap (or fuse into) float32 linears.
@@ -363,6 +374,10 @@ def prepare_model(
             release_memory()
         sharding.share_inputs(model)
         compute_path = compute_path.extended(layout)
+    if compute_path.kernel_isa:
+        # Last: fused adapters make new quantized layers.
+        routed = use_kernels(model)
+        compute_path = compute_path.extended(f"{routed} layers on the SIMD kernels")
     loaded = dataclasses.replace(loaded, model=model)
     if options.prefill_step_size is None:
         options = dataclasses.replace(

@@ -17,6 +17,7 @@ from mlx_backend.models.loading import LoadPlan
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
 from tests.engine_helpers import (
+    assert_greedy_close,
     chat_prompt,
     drive,
     generation,
@@ -38,25 +39,6 @@ def engine():
 
 def quantized(options, bits: int | None):
     return dataclasses.replace(options, kv_bits=bits, kv_group_size=32)
-
-
-def assert_greedy_close(ours: tuple, theirs: tuple, noise: float) -> None:
-    """Two greedy decodes of one prompt (``drive``'s tokens and top-2 logprob
-    entries) agree token for token, the logprobs they share within ``noise``, up
-    to a near tie: both then had the same two best tokens, within 2 * ``noise``.
-    A masking or padding mistake moves logprobs by whole units."""
-    (our_tokens, our_scores, _), (their_tokens, their_scores, _) = ours, theirs
-    assert len(our_tokens) == len(their_tokens)
-    for mine, theirs_, (_, my_top), (_, their_top) in zip(
-        our_tokens, their_tokens, our_scores, their_scores
-    ):
-        my_top, their_top = dict(my_top), dict(their_top)
-        assert {mine, theirs_} <= my_top.keys() & their_top.keys()
-        for token in my_top.keys() & their_top.keys():
-            assert my_top[token] == pytest.approx(their_top[token], abs=noise)
-        if mine != theirs_:
-            assert my_top.keys() == their_top.keys()
-            return
 
 
 # Batching changes the BLAS's matrix shapes, so its rounding; a quantized KV cache

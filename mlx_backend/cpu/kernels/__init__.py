@@ -1,0 +1,175 @@
+"""The CPU quantized-matmul kernels: MLX's affine 4- and 8-bit weights multiplied
+as they are stored, with SIMD on several threads (``_qmm``, an MLX extension that
+``make install`` builds from the C++ beside this file).
+
+A decode step reads each weight once, so 4-bit weights read an eighth of the bytes
+that dequantized float32 weights do. ``use_kernels`` routes a model's quantized
+linear layers (and a quantized embedding used as its output layer) to them.
+"""
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_backend.cpu.blas import blas_threads, choose_blas_threads, physical_cores
+from python_utils import switched_off
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "MLX_BACKEND_CPU_KERNELS"
+KERNEL_BITS = (4, 8)
+KERNEL_GROUP_SIZES = (32, 64, 128)
+
+
+# The loaded extension, which the routed layers call.
+_qmm = None
+
+
+def load_kernels():
+    """The ``_qmm`` extension and an empty reason, or None and why it can't be used."""
+    global _qmm
+    if switched_off(os.environ, KERNELS_ENV):
+        return None, f"off ({KERNELS_ENV})"
+    if mx.default_device() != mx.cpu:
+        return None, "not on the CPU"
+    try:
+        _qmm = importlib.import_module(f"{__name__}._qmm")
+    except ImportError as e:
+        # The message names files; the type and a hint are enough.
+        missing = isinstance(e, ModuleNotFoundError)
+        why = "is not built (make install builds it)" if missing else "failed to load"
+        return None, f"the kernel extension {why}"
+    return _qmm, ""
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What runs the kernels, as the extension reports it."""
+
+    isa: str
+    threads: int
+    # Rows of x up to which the row kernel runs; more go to sgemm on tiles.
+    rows_limit: int
+    int8_activations: bool = False
+
+    def describe(self) -> str:
+        int8 = ", int8 activations" if self.int8_activations else ""
+        return f"SIMD kernels ({self.isa}, {self.threads} threads{int8})"
+
+
+def kernel_settings() -> KernelSettings | None:
+    qmm, _ = load_kernels()
+    if qmm is None:
+        return None
+    s = qmm.settings()
+    return KernelSettings(
+        s["isa"], s["threads"], s["rows_limit"], s["int8_activations"]
+    )
+
+
+def runs_on_kernels(layer: nn.Module) -> bool:
+    """Whether the kernels take ``layer``'s weight format."""
+    return (
+        getattr(layer, "mode", "affine") == "affine"
+        and layer.bits in KERNEL_BITS
+        and layer.group_size in KERNEL_GROUP_SIZES
+        and "biases" in layer
+    )
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose matmul runs on the SIMD kernels."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _qmm.quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.group_size,
+            self.bits,
+        )
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` with float32 rows, and the kernels when it is the
+    output layer too (tied weights)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.dequantize(
+            self["weight"][x],
+            scales=self["scales"][x].astype(mx.float32),
+            biases=self["biases"][x].astype(mx.float32),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _qmm.quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.group_size,
+            self.bits,
+        )
+
+
+_KERNEL_CLASSES = {
+    nn.QuantizedLinear: KernelQuantizedLinear,
+    nn.QuantizedEmbedding: KernelQuantizedEmbedding,
+}
+
+
+def float32_activations(model: nn.Module) -> None:
+    """Cast every floating parameter but quantized layers' scales and biases to
+    float32, so activations are float32 as on the dequantized path."""
+    quantized = {name for name, m in model.named_modules() if hasattr(m, "bits")}
+    cast = []
+    for path, value in tree_flatten(model.parameters()):
+        owner, _, leaf = path.rpartition(".")
+        if owner in quantized and leaf in ("scales", "biases", "weight"):
+            continue
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32:
+            cast.append((path, value.astype(mx.float32)))
+    if cast:
+        model.update(tree_unflatten(cast))
+
+
+def use_kernels(model: nn.Module) -> int:
+    """Route ``model``'s quantized layers that the kernels take to them, in place;
+    how many layers now run on them."""
+    if load_kernels()[0] is None:
+        return 0
+    routed = 0
+    for _, module in model.named_modules():
+        kernel_class = _KERNEL_CLASSES.get(type(module))
+        if kernel_class is not None and runs_on_kernels(module):
+            module.__class__ = kernel_class
+            routed += 1
+    if routed:
+        float32_activations(model)
+    return routed
+
+
+def match_blas_threads(requested: int) -> int:
+    """Give the kernels the BLAS's thread count (``Threads``, else the BLAS's own
+    variable, else the physical cores); the count, or 0 without the extension."""
+    qmm, _ = load_kernels()
+    if qmm is None:
+        return 0
+    threads = blas_threads()
+    if threads is None:
+        threads, _ = choose_blas_threads(requested, physical_cores(), os.environ)
+    if threads is None:
+        threads = physical_cores()
+    qmm.set_threads(threads)
+    return threads

@@ -1,0 +1,327 @@
+// x86-64 kernels for AVX2 with FMA and F16C (built with those flags; called only
+// when the CPU has them).
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "qmm.h"
+
+namespace qmm {
+
+namespace {
+
+// Row n's scales or biases as float32, 8 at a time where they are half floats.
+void load_scales(const Problem& p, const void* base, int n, float* out) {
+  int groups = p.K / p.group_size;
+  if (p.scale_type == ScaleType::f32) {
+    return scale_row(p, base, n, out);
+  }
+  auto row = static_cast<const uint16_t*>(base) + std::size_t(n) * groups;
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g));
+    __m256 f = p.scale_type == ScaleType::f16
+        ? _mm256_cvtph_ps(h)
+        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    _mm256_storeu_ps(out + g, f);
+  }
+  if (g < groups) {
+    // The tail through a zeroed vector, without the scalar conversion's branches.
+    alignas(16) uint16_t tail[8] = {};
+    alignas(32) float converted[8];
+    std::memcpy(tail, row + g, (groups - g) * sizeof(uint16_t));
+    __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+    __m256 f = p.scale_type == ScaleType::f16
+        ? _mm256_cvtph_ps(h)
+        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    _mm256_store_ps(converted, f);
+    std::memcpy(out + g, converted, (groups - g) * sizeof(float));
+  }
+}
+
+// 32 consecutive weights, from bits * 4 bytes at `packed`, as four float vectors.
+template <int BITS>
+inline void unpack32(const uint32_t* packed, __m256 q[4]) {
+  if constexpr (BITS == 4) {
+    // Byte b holds weight 2b in its low nibble and 2b + 1 in its high one.
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    __m128i first = _mm_unpacklo_epi8(lo, hi);
+    __m128i second = _mm_unpackhi_epi8(lo, hi);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+  } else {
+    auto bytes = reinterpret_cast<const __m128i*>(packed);
+    __m128i first = _mm_loadu_si128(bytes);
+    __m128i second = _mm_loadu_si128(bytes + 1);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+  }
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  float total = horizontal_sum(acc);
+  for (; i < n; i++) {
+    total += a[i] * b[i];
+  }
+  return total;
+}
+
+// ROWS rows of x (from row m) against weight row n: each group's dot product is
+// scaled once, and its bias meets x's group sum. Each row sums into CHAINS
+// accumulators, so that enough FMAs are in flight to hide their latency.
+template <int BITS, int ROWS>
+inline void rows_tile(
+    const Problem& p,
+    int n,
+    int m,
+    const float* scales,
+    const float* biases) {
+  constexpr int CHAINS = ROWS == 1 ? 4 : 2;
+  int groups = p.K / p.group_size;
+  int chunks = p.group_size / 32;
+  const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
+  const float* x[ROWS];
+  __m256 total[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    x[r] = p.x + std::size_t(m + r) * p.K;
+    total[r] = _mm256_setzero_ps();
+  }
+  __m256 q[4];
+  for (int g = 0; g < groups; g++) {
+    __m256 acc[ROWS][CHAINS];
+    for (int r = 0; r < ROWS; r++) {
+      for (int c = 0; c < CHAINS; c++) {
+        acc[r][c] = _mm256_setzero_ps();
+      }
+    }
+    for (int c = 0; c < chunks; c++, packed += BITS) {
+      unpack32<BITS>(packed, q);
+      int k = (g * chunks + c) * 32;
+      for (int r = 0; r < ROWS; r++) {
+        const float* xk = x[r] + k;
+        for (int i = 0; i < 4; i++) {
+          acc[r][i % CHAINS] = _mm256_fmadd_ps(
+              q[i], _mm256_loadu_ps(xk + 8 * i), acc[r][i % CHAINS]);
+        }
+      }
+    }
+    __m256 scale = _mm256_broadcast_ss(scales + g);
+    for (int r = 0; r < ROWS; r++) {
+      __m256 sum = acc[r][0];
+      for (int c = 1; c < CHAINS; c++) {
+        sum = _mm256_add_ps(sum, acc[r][c]);
+      }
+      total[r] = _mm256_fmadd_ps(sum, scale, total[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++) {
+    const float* xsum = p.xsum + std::size_t(m + r) * groups;
+    p.y[std::size_t(m + r) * p.N + n] =
+        horizontal_sum(total[r]) + dot(biases, xsum, groups);
+  }
+}
+
+// 32 weights as bytes, in the order quantize_rows(interleaved) puts x: 4-bit
+// weights as [low nibbles | high nibbles], 8-bit ones as stored.
+template <int BITS>
+inline __m256i weight_bytes(const uint32_t* packed) {
+  if constexpr (BITS == 4) {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
+  }
+}
+
+// The int8 kernel: maddubs multiplies unsigned weights by int8 x in pairs. 4-bit
+// products fit int16 for a whole group (15 * 127 * 2 * 4 < 32768); 8-bit weights
+// are recentred to [-128, 127] (the bias takes the 128) and widened each chunk.
+template <int BITS, int ROWS>
+inline void rows_tile_int8(
+    const Problem& p,
+    int n,
+    int m,
+    const float* scales,
+    const float* biases) {
+  int groups = p.K / p.group_size;
+  int chunks = p.group_size / 32;
+  const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
+  const int8_t* xq[ROWS];
+  const float* xd[ROWS];
+  __m256 total[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    xq[r] = p.xq + std::size_t(m + r) * p.K;
+    xd[r] = p.xd + std::size_t(m + r) * groups;
+    total[r] = _mm256_setzero_ps();
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int g = 0; g < groups; g++) {
+    __m256i acc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+      acc[r] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < chunks; c++, packed += BITS) {
+      __m256i w = weight_bytes<BITS>(packed);
+      int k = (g * chunks + c) * 32;
+      if constexpr (BITS == 4) {
+        for (int r = 0; r < ROWS; r++) {
+          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + k));
+          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, x));
+        }
+      } else {
+        __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
+        __m256i magnitude = _mm256_abs_epi8(centred);
+        for (int r = 0; r < ROWS; r++) {
+          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + k));
+          __m256i pairs =
+              _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, centred));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; r++) {
+      __m256i sums = BITS == 4 ? _mm256_madd_epi16(acc[r], ones) : acc[r];
+      __m256 scale = _mm256_set1_ps(scales[g] * xd[r][g]);
+      total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++) {
+    const float* xsum = p.xsum + std::size_t(m + r) * groups;
+    p.y[std::size_t(m + r) * p.N + n] =
+        horizontal_sum(total[r]) + dot(biases, xsum, groups);
+  }
+}
+
+template <int BITS>
+void rows_bits_int8(const Problem& p, int n0, int n1) {
+  int groups = p.K / p.group_size;
+  thread_local std::vector<float> scales, biases;
+  scales.resize(groups);
+  biases.resize(groups);
+  for (int n = n0; n < n1; n++) {
+    load_scales(p, p.scales, n, scales.data());
+    load_scales(p, p.biases, n, biases.data());
+    if constexpr (BITS == 8) {
+      for (int g = 0; g < groups; g++) {
+        biases[g] += 128.0f * scales[g];
+      }
+    }
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      rows_tile_int8<BITS, 4>(p, n, m, scales.data(), biases.data());
+    }
+    switch (p.M - m) {
+      case 3:
+        rows_tile_int8<BITS, 3>(p, n, m, scales.data(), biases.data());
+        break;
+      case 2:
+        rows_tile_int8<BITS, 2>(p, n, m, scales.data(), biases.data());
+        break;
+      case 1:
+        rows_tile_int8<BITS, 1>(p, n, m, scales.data(), biases.data());
+        break;
+    }
+  }
+}
+
+template <int BITS>
+void rows_bits(const Problem& p, int n0, int n1) {
+  int groups = p.K / p.group_size;
+  thread_local std::vector<float> scales, biases;
+  scales.resize(groups);
+  biases.resize(groups);
+  for (int n = n0; n < n1; n++) {
+    load_scales(p, p.scales, n, scales.data());
+    load_scales(p, p.biases, n, biases.data());
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      rows_tile<BITS, 4>(p, n, m, scales.data(), biases.data());
+    }
+    switch (p.M - m) {
+      case 3:
+        rows_tile<BITS, 3>(p, n, m, scales.data(), biases.data());
+        break;
+      case 2:
+        rows_tile<BITS, 2>(p, n, m, scales.data(), biases.data());
+        break;
+      case 1:
+        rows_tile<BITS, 1>(p, n, m, scales.data(), biases.data());
+        break;
+    }
+  }
+}
+
+template <int BITS>
+void dequantize_bits(const Problem& p, int n0, int n1, float* out) {
+  int groups = p.K / p.group_size;
+  int chunks = p.group_size / 32;
+  thread_local std::vector<float> scales, biases;
+  scales.resize(groups);
+  biases.resize(groups);
+  __m256 q[4];
+  for (int n = n0; n < n1; n++) {
+    load_scales(p, p.scales, n, scales.data());
+    load_scales(p, p.biases, n, biases.data());
+    const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
+    float* dst = out + std::size_t(n - n0) * p.K;
+    for (int g = 0; g < groups; g++) {
+      __m256 scale = _mm256_broadcast_ss(&scales[g]);
+      __m256 bias = _mm256_broadcast_ss(&biases[g]);
+      for (int c = 0; c < chunks; c++, packed += BITS, dst += 32) {
+        unpack32<BITS>(packed, q);
+        for (int i = 0; i < 4; i++) {
+          _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(q[i], scale, bias));
+        }
+      }
+    }
+  }
+}
+
+} // namespace
+
+void rows_avx2(const Problem& p, int n0, int n1) {
+  if (p.bits == 4) {
+    rows_bits<4>(p, n0, n1);
+  } else {
+    rows_bits<8>(p, n0, n1);
+  }
+}
+
+void rows_avx2_int8(const Problem& p, int n0, int n1) {
+  if (p.bits == 4) {
+    rows_bits_int8<4>(p, n0, n1);
+  } else {
+    rows_bits_int8<8>(p, n0, n1);
+  }
+}
+
+void dequantize_avx2(const Problem& p, int n0, int n1, float* out) {
+  if (p.bits == 4) {
+    dequantize_bits<4>(p, n0, n1, out);
+  } else {
+    dequantize_bits<8>(p, n0, n1, out);
+  }
+}
+
+} // namespace qmm

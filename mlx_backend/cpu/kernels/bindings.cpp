@@ -1,0 +1,38 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "quantized_matmul.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_qmm, m) {
+  m.doc() = "Quantized matmul kernels for MLX on the CPU";
+  m.def(
+      "quantized_matmul",
+      &qmm::quantized_matmul,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x @ dequantize(w, scales, biases).T on the CPU (MLX's affine layout).");
+  m.def("settings", [] {
+    auto s = qmm::settings();
+    nb::dict d;
+    d["isa"] = s.isa;
+    d["threads"] = s.threads;
+    d["rows_limit"] = s.rows_limit;
+    d["sgemm"] = s.sgemm;
+    d["int8_activations"] = s.int8_activations;
+    return d;
+  });
+  m.def("set_threads", &qmm::set_threads, "threads"_a);
+  m.def("set_rows_limit", &qmm::set_rows_limit, "rows"_a);
+  m.def("set_isa", &qmm::set_isa, "isa"_a);
+  m.def("set_int8_activations", &qmm::set_int8_activations, "on"_a);
+}

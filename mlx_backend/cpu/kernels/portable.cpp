@@ -1,0 +1,98 @@
+// The portable kernels: plain C++ that the compiler vectorizes for the target it
+// builds for (NEON on aarch64). Used where no hand-written kernel applies.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "qmm.h"
+
+namespace qmm {
+
+namespace {
+
+inline int weight_at(const uint32_t* row, int k, int bits) {
+  int per_word = 32 / bits;
+  uint32_t word = row[k / per_word];
+  return (word >> ((k % per_word) * bits)) & ((1u << bits) - 1);
+}
+
+} // namespace
+
+void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd) {
+  int groups = p.K / p.group_size;
+  for (int m = 0; m < p.M; m++) {
+    for (int g = 0; g < groups; g++) {
+      int k0 = g * p.group_size;
+      const float* x = p.x + std::size_t(m) * p.K + k0;
+      float amax = 0.0f;
+      for (int k = 0; k < p.group_size; k++) {
+        amax = std::max(amax, std::abs(x[k]));
+      }
+      float d = amax / 127.0f;
+      float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      xd[std::size_t(m) * groups + g] = d;
+      int8_t* out = xq + std::size_t(m) * p.K + k0;
+      for (int k = 0; k < p.group_size; k++) {
+        int at = interleaved ? (k & ~31) + (k & 31) / 2 + (k & 1) * 16 : k;
+        out[at] = int8_t(std::lrint(x[k] * inverse));
+      }
+    }
+  }
+}
+
+void dequantize_portable(const Problem& p, int n0, int n1, float* out) {
+  int groups = p.K / p.group_size;
+  std::vector<float> scales(groups), biases(groups);
+  for (int n = n0; n < n1; n++) {
+    scale_row(p, p.scales, n, scales.data());
+    scale_row(p, p.biases, n, biases.data());
+    const uint32_t* row = p.w + std::size_t(n) * (p.K * p.bits / 32);
+    float* dst = out + std::size_t(n - n0) * p.K;
+    for (int k = 0; k < p.K; k++) {
+      int g = k / p.group_size;
+      dst[k] = scales[g] * float(weight_at(row, k, p.bits)) + biases[g];
+    }
+  }
+}
+
+void rows_portable(const Problem& p, int n0, int n1) {
+  int groups = p.K / p.group_size;
+  int per_word = 32 / p.bits;
+  uint32_t mask = (1u << p.bits) - 1;
+  std::vector<float> scaled(p.K), scales(groups), biases(groups);
+  for (int n = n0; n < n1; n++) {
+    // The biases meet x's group sums instead of each weight.
+    scale_row(p, p.scales, n, scales.data());
+    scale_row(p, p.biases, n, biases.data());
+    const uint32_t* row = p.w + std::size_t(n) * (p.K / per_word);
+    for (int k0 = 0; k0 < p.K; k0 += per_word) {
+      uint32_t word = row[k0 / per_word];
+      float scale = scales[k0 / p.group_size];
+      for (int i = 0; i < per_word; i++) {
+        scaled[k0 + i] = scale * float((word >> (i * p.bits)) & mask);
+      }
+    }
+    for (int m = 0; m < p.M; m++) {
+      const float* x = p.x + std::size_t(m) * p.K;
+      const float* xsum = p.xsum + std::size_t(m) * groups;
+      // Eight partial sums, so the compiler can vectorize the dot product.
+      float partial[8] = {};
+      for (int k = 0; k < p.K; k += 8) {
+        for (int i = 0; i < 8; i++) {
+          partial[i] += scaled[k + i] * x[k + i];
+        }
+      }
+      float acc = 0.0f;
+      for (int i = 0; i < 8; i++) {
+        acc += partial[i];
+      }
+      for (int g = 0; g < groups; g++) {
+        acc += biases[g] * xsum[g];
+      }
+      p.y[std::size_t(m) * p.N + n] = acc;
+    }
+  }
+}
+
+} // namespace qmm

@@ -1,0 +1,110 @@
+// Quantized matmul kernels for the CPU: y = x @ dequantize(w).T with MLX's affine
+// layout (w: [N, K * bits / 32] uint32, scales and biases: [N, K / group_size]).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace qmm {
+
+enum class ScaleType { f32, f16, bf16 };
+
+struct Problem {
+  const float* x; // [M, K], row-major
+  const float* xsum; // [M, K / group_size]: x summed over each group
+  // x quantized to int8 per group (for the int8 kernels): values [M, K], in the
+  // order the kernel reads them, and each group's scale [M, K / group_size].
+  const int8_t* xq;
+  const float* xd;
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  float* y; // [M, N]
+  int M;
+  int N;
+  int K;
+  int bits;
+  int group_size;
+  ScaleType scale_type;
+};
+
+// y[:, n0:n1] for every row of x, reading each weight once.
+using RowsKernel = void (*)(const Problem&, int n0, int n1);
+// Rows n0..n1 of the dequantized weight, as float32 [n1 - n0, K].
+using DequantizeKernel = void (*)(const Problem&, int n0, int n1, float* out);
+
+void rows_portable(const Problem& p, int n0, int n1);
+void dequantize_portable(const Problem& p, int n0, int n1, float* out);
+
+// x quantized per group to int8 for an int8 kernel; `interleaved` puts each 32
+// values as [even ones, odd ones], the order of 4-bit weights' low and high nibbles.
+void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd);
+
+#if defined(__x86_64__)
+void rows_avx2_int8(const Problem& p, int n0, int n1);
+void rows_avx2(const Problem& p, int n0, int n1);
+void dequantize_avx2(const Problem& p, int n0, int n1, float* out);
+#endif
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {
+    // Subnormal: normalize the mantissa.
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      exponent--;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bfloat_to_float(uint16_t b) {
+  uint32_t bits = uint32_t(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Row n's scales (or biases) as float32.
+inline void scale_row(const Problem& p, const void* base, int n, float* out) {
+  int groups = p.K / p.group_size;
+  std::size_t offset = std::size_t(n) * groups;
+  switch (p.scale_type) {
+    case ScaleType::f32: {
+      auto row = static_cast<const float*>(base) + offset;
+      for (int g = 0; g < groups; g++) {
+        out[g] = row[g];
+      }
+      break;
+    }
+    case ScaleType::f16: {
+      auto row = static_cast<const uint16_t*>(base) + offset;
+      for (int g = 0; g < groups; g++) {
+        out[g] = half_to_float(row[g]);
+      }
+      break;
+    }
+    case ScaleType::bf16: {
+      auto row = static_cast<const uint16_t*>(base) + offset;
+      for (int g = 0; g < groups; g++) {
+        out[g] = bfloat_to_float(row[g]);
+      }
+      break;
+    }
+  }
+}
+
+} // namespace qmm

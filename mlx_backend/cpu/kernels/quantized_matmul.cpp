@@ -1,0 +1,493 @@
+#include "quantized_matmul.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "qmm.h"
+
+namespace qmm {
+
+namespace {
+
+// The fewest output rows a task takes, and the tasks per thread: few enough that
+// claiming them (a cache line that moves between cores) costs little, enough to
+// balance the threads.
+constexpr int ROWS_PER_TASK = 16;
+constexpr int TASKS_PER_THREAD = 4;
+// Weight rows dequantized per sgemm call (for many rows of x).
+constexpr int TILE_ROWS = 256;
+
+using Sgemm = void (*)(
+    int, int, int, int, int, int, float, const float*, int, const float*, int,
+    float, float*, int);
+constexpr int ROW_MAJOR = 101;
+constexpr int NO_TRANS = 111;
+constexpr int TRANS = 112;
+
+// The process's cblas_sgemm: the preloaded fast BLAS, else the one MLX links.
+Sgemm find_sgemm() {
+  return reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+}
+
+double env_number(const char* name, double fallback) {
+  const char* value = std::getenv(name);
+  return value ? std::atof(value) : fallback;
+}
+
+int spin_microseconds() {
+  return int(env_number("MLX_BACKEND_KERNEL_SPIN_US", 20));
+}
+
+// A pool of workers that spin briefly between jobs (a decode step runs hundreds of
+// matmuls back to back), then sleep. The caller takes tasks too and waits only for
+// tasks a worker has claimed: a worker still waking up (a halted vCPU can take
+// milliseconds) never holds a matmul back.
+class Pool {
+ public:
+  ~Pool() {
+    resize(1);
+  }
+
+  int size() const {
+    return int(workers_.size()) + 1;
+  }
+
+  void resize(int threads) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      generation_++;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) {
+      t.join();
+    }
+    workers_.clear();
+    stopping_ = false;
+    // A worker waits for the generation after the one it starts in.
+    long start = generation_.load();
+    for (int i = 1; i < threads; i++) {
+      workers_.emplace_back([this, start] { work(start); });
+    }
+  }
+
+  // Calls fn(i) for i in [0, tasks), on the workers and the calling thread.
+  void run(int tasks, const std::function<void(int)>& fn, bool parallel = true) {
+    if (workers_.empty() || tasks <= 1 || !parallel) {
+      for (int i = 0; i < tasks; i++) {
+        fn(i);
+      }
+      return;
+    }
+    job_ = &fn;
+    tasks_ = tasks;
+    done_.store(0);
+    // A claim is (run << 32 | next task): a worker late for one run can't take a
+    // task of the next.
+    claims_.store(++runs_ << 32);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      generation_++;
+    }
+    wake_.notify_all();
+    take_tasks();
+    while (done_.load(std::memory_order_acquire) < tasks) {
+      pause();
+    }
+  }
+
+ private:
+  static void pause() {
+    // No PAUSE: under KVM, pause loops exit to the hypervisor.
+    asm volatile("" ::: "memory");
+  }
+
+  void take_tasks() {
+    uint64_t claim = claims_.load();
+    while (true) {
+      int task = int(claim & 0xffffffffu);
+      if (task >= tasks_) {
+        return;
+      }
+      if (claims_.compare_exchange_weak(claim, claim + 1)) {
+        (*job_)(task);
+        done_.fetch_add(1, std::memory_order_release);
+        claim = claims_.load();
+      }
+    }
+  }
+
+  void work(long seen) {
+    while (true) {
+      // Spin briefly (the next matmul of a step comes within microseconds), then
+      // sleep, leaving the core to the thread that builds the next step.
+      auto until = std::chrono::steady_clock::now() + spin_;
+      for (int spin = 0; generation_.load() == seen; spin++) {
+        if (spin % 64 == 63 && std::chrono::steady_clock::now() > until) {
+          break;
+        }
+      }
+      if (generation_.load() == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+      }
+      seen = generation_.load();
+      if (stopping_) {
+        return;
+      }
+      take_tasks();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<long> generation_{0};
+  std::atomic<uint64_t> claims_{0};
+  std::atomic<int> done_{0};
+  uint64_t runs_ = 0;
+  const std::function<void(int)>* job_ = nullptr;
+  int tasks_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::chrono::microseconds spin_{spin_microseconds()};
+};
+
+struct Kernels {
+  std::string isa;
+  RowsKernel rows;
+  DequantizeKernel dequantize;
+  // The row kernel on x quantized to int8 (nullptr: none for this instruction set).
+  RowsKernel rows_int8 = nullptr;
+};
+
+Kernels best_kernels() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return {"avx2", rows_avx2, dequantize_avx2, rows_avx2_int8};
+  }
+#endif
+#if defined(__aarch64__)
+  return {"portable (neon)", rows_portable, dequantize_portable};
+#else
+  return {"portable", rows_portable, dequantize_portable};
+#endif
+}
+
+struct State {
+  Kernels kernels = best_kernels();
+  Pool pool;
+  int rows_limit = 32;
+  bool int8_activations = false;
+  // Multiply-adds from which a row-kernel matmul is split over the threads.
+  double parallel_work = env_number("MLX_BACKEND_KERNEL_PARALLEL_WORK", 1 << 18);
+  Sgemm sgemm = find_sgemm();
+  std::mutex mutex;
+};
+
+State& state() {
+  static State* s = [] {
+    auto* created = new State();
+    created->pool.resize(int(std::max(1u, std::thread::hardware_concurrency())));
+    return created;
+  }();
+  return *s;
+}
+
+bool simd_shape(const Problem& p) {
+  return (p.bits == 4 || p.bits == 8) && p.group_size % 32 == 0;
+}
+
+void group_sums(Problem& p, std::vector<float>& xsum) {
+  int groups = p.K / p.group_size;
+  xsum.resize(size_t(p.M) * groups);
+  for (int m = 0; m < p.M; m++) {
+    const float* x = p.x + size_t(m) * p.K;
+    for (int g = 0; g < groups; g++) {
+      float total = 0.0f;
+      for (int k = g * p.group_size; k < (g + 1) * p.group_size; k++) {
+        total += x[k];
+      }
+      xsum[size_t(m) * groups + g] = total;
+    }
+  }
+  p.xsum = xsum.data();
+}
+
+void compute(Problem p) {
+  State& s = state();
+  Kernels k = simd_shape(p) ? s.kernels
+                            : Kernels{"portable", rows_portable, dequantize_portable};
+  int per_task = std::max(
+      ROWS_PER_TASK, (p.N + s.pool.size() * TASKS_PER_THREAD - 1) /
+          (s.pool.size() * TASKS_PER_THREAD));
+  per_task = (per_task + 7) / 8 * 8;
+  int tasks = (p.N + per_task - 1) / per_task;
+  auto span = [&](int i) {
+    return std::pair{i * per_task, std::min(p.N, (i + 1) * per_task)};
+  };
+  if (p.M <= s.rows_limit || s.sgemm == nullptr) {
+    std::vector<float> xsum;
+    group_sums(p, xsum);
+    RowsKernel rows = k.rows;
+    std::vector<int8_t> xq;
+    std::vector<float> xd;
+    if (s.int8_activations && k.rows_int8 != nullptr) {
+      xq.resize(size_t(p.M) * p.K);
+      xd.resize(size_t(p.M) * (p.K / p.group_size));
+      quantize_rows(p, p.bits == 4, xq.data(), xd.data());
+      p.xq = xq.data();
+      p.xd = xd.data();
+      rows = k.rows_int8;
+    }
+    // A small matmul runs on this thread alone: waking a worker costs more than
+    // it saves, and the other core builds the next step's graph meanwhile.
+    bool parallel = double(p.M) * p.N * p.K >= s.parallel_work;
+    s.pool.run(
+        tasks,
+        [&](int i) {
+          auto [n0, n1] = span(i);
+          rows(p, n0, n1);
+        },
+        parallel);
+    return;
+  }
+  // Many rows: dequantize a tile of weight rows at a time, for the BLAS's sgemm.
+  thread_local std::vector<float> buffer;
+  buffer.resize(size_t(TILE_ROWS) * p.K);
+  // The workers write this thread's buffer (a thread_local is per thread).
+  float* tile = buffer.data();
+  for (int t0 = 0; t0 < p.N; t0 += TILE_ROWS) {
+    int t1 = std::min(p.N, t0 + TILE_ROWS);
+    int pieces = (t1 - t0 + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    // On this thread alone: the BLAS's own threads stay busy (spinning) between
+    // its calls, and dequantizing is a small share of the tile's time.
+    s.pool.run(
+        pieces,
+        [&](int i) {
+          int n0 = t0 + i * ROWS_PER_TASK;
+          int n1 = std::min(t1, n0 + ROWS_PER_TASK);
+          k.dequantize(p, n0, n1, tile + size_t(n0 - t0) * p.K);
+        },
+        false);
+    s.sgemm(
+        ROW_MAJOR, NO_TRANS, TRANS, p.M, t1 - t0, p.K, 1.0f, p.x, p.K,
+        tile, p.K, 0.0f, p.y + t0, p.N);
+  }
+}
+
+ScaleType scale_type(mx::Dtype dtype) {
+  if (dtype == mx::float32) {
+    return ScaleType::f32;
+  }
+  return dtype == mx::float16 ? ScaleType::f16 : ScaleType::bf16;
+}
+
+std::string shape_text(const mx::array& a) {
+  std::ostringstream text;
+  text << "(";
+  for (int i = 0; i < a.ndim(); i++) {
+    text << (i ? ", " : "") << a.shape(i);
+  }
+  text << (a.ndim() == 1 ? ",)" : ")");
+  return text.str();
+}
+
+} // namespace
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (bits != 2 && bits != 4 && bits != 8) {
+    throw std::invalid_argument("[quantized_matmul] bits must be 2, 4 or 8");
+  }
+  if (group_size < 32 || group_size % 32 != 0) {
+    throw std::invalid_argument(
+        "[quantized_matmul] group_size must be a multiple of 32");
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument(
+        "[quantized_matmul] w must be a 2-D uint32 array, got " + shape_text(w));
+  }
+  int N = w.shape(0);
+  int K = w.shape(1) * 32 / bits;
+  if (K % group_size != 0) {
+    throw std::invalid_argument(
+        "[quantized_matmul] the inputs (" + std::to_string(K) +
+        ") must be a multiple of group_size");
+  }
+  auto expected = mx::Shape{N, K / group_size};
+  for (auto* a : {&scales, &biases}) {
+    if (a->shape() != expected || !mx::issubdtype(a->dtype(), mx::floating)) {
+      throw std::invalid_argument(
+          "[quantized_matmul] scales and biases must be floating point of shape (" +
+          std::to_string(N) + ", " + std::to_string(K / group_size) + "), got " +
+          shape_text(*a));
+    }
+  }
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    throw std::invalid_argument(
+        "[quantized_matmul] x's last axis must be " + std::to_string(K) +
+        ", got " + shape_text(x));
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  // No op but the matmul where none is needed: each op costs microseconds to run
+  // on the CPU stream, and a decode step has hundreds of matmuls.
+  auto as = [&](const mx::array& a, mx::Dtype dtype) {
+    return a.dtype() == dtype ? a : mx::astype(a, dtype, stream);
+  };
+  auto common = mx::promote_types(scales.dtype(), biases.dtype());
+  auto shape = x.shape();
+  shape.back() = N;
+  auto y = mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+      {as(x, mx::float32), w, as(scales, common), as(biases, common)});
+  return mx::issubdtype(x.dtype(), mx::floating) ? as(y, x.dtype()) : y;
+}
+
+namespace {
+
+// `a`'s elements in row-major order (for an input that isn't).
+std::shared_ptr<std::vector<char>> row_major_copy(const mx::array& a) {
+  size_t item = a.itemsize();
+  auto copy = std::make_shared<std::vector<char>>(a.size() * item);
+  const char* base = a.data<char>();
+  for (size_t i = 0; i < a.size(); i++) {
+    int64_t offset = 0;
+    size_t rest = i;
+    for (int axis = a.ndim() - 1; axis >= 0; axis--) {
+      offset += int64_t(rest % a.shape(axis)) * a.strides(axis);
+      rest /= a.shape(axis);
+    }
+    std::memcpy(copy->data() + i * item, base + offset * int64_t(item), item);
+  }
+  return copy;
+}
+
+} // namespace
+
+void QuantizedMatmul::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& x = inputs[0];
+  auto& w = inputs[1];
+  auto& scales = inputs[2];
+  auto& biases = inputs[3];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  // Inputs that aren't row-major are copied; the copies live as long as the task.
+  std::vector<std::shared_ptr<std::vector<char>>> copies;
+  auto data = [&](const mx::array& a) -> const void* {
+    if (a.flags().row_contiguous) {
+      return a.data<void>();
+    }
+    copies.push_back(row_major_copy(a));
+    return copies.back()->data();
+  };
+  Problem p;
+  p.x = static_cast<const float*>(data(x));
+  p.xsum = nullptr;
+  p.xq = nullptr;
+  p.xd = nullptr;
+  p.w = static_cast<const uint32_t*>(data(w));
+  p.scales = data(scales);
+  p.biases = data(biases);
+  p.y = out.data<float>();
+  p.N = w.shape(0);
+  p.K = x.shape(-1);
+  p.M = int(x.size() / p.K);
+  p.bits = bits_;
+  p.group_size = group_size_;
+  p.scale_type = scale_type(scales.dtype());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(out);
+  encoder.dispatch([p, copies = std::move(copies)]() {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    compute(p);
+  });
+}
+
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[quantized_matmul] runs on the CPU only");
+}
+
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> QuantizedMatmul::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+Settings settings() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return {
+      s.kernels.isa,
+      s.pool.size(),
+      s.rows_limit,
+      s.sgemm != nullptr,
+      s.int8_activations && s.kernels.rows_int8 != nullptr};
+}
+
+void set_int8_activations(bool on) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.int8_activations = on;
+}
+
+void set_threads(int threads) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.pool.resize(std::max(1, threads));
+}
+
+void set_rows_limit(int rows) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.rows_limit = std::max(0, rows);
+}
+
+void set_isa(const std::string& isa) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  Kernels best = best_kernels();
+  if (isa == "auto" || isa == best.isa) {
+    s.kernels = best;
+  } else if (isa == "portable") {
+    s.kernels = {"portable", rows_portable, dequantize_portable};
+  } else {
+    throw std::invalid_argument(
+        "[quantized_matmul] isa must be auto, portable or " + best.isa);
+  }
+}
+
+} // namespace qmm

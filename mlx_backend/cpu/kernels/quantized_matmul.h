@@ -1,0 +1,62 @@
+// The MLX primitive and op over the kernels in qmm.h.
+#pragma once
+
+#include <string>
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace qmm {
+
+namespace mx = mlx::core;
+
+// y = x @ dequantize(w, scales, biases).T, evaluated on the CPU by this library.
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "CpuQuantizedMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+// What runs the kernels: the instruction set and thread count, and the most rows
+// of x that the row kernel takes before tiles of dequantized weights go to sgemm.
+struct Settings {
+  std::string isa;
+  int threads;
+  int rows_limit;
+  bool sgemm;
+  // The row kernel quantizes x to int8 per group (llama.cpp's way) rather than
+  // multiplying float32 x.
+  bool int8_activations;
+};
+
+Settings settings();
+void set_threads(int threads);
+void set_rows_limit(int rows);
+void set_int8_activations(bool on);
+// Pick the kernels: "auto" (the best this CPU runs), "avx2" or "portable".
+void set_isa(const std::string& isa);
+
+} // namespace qmm

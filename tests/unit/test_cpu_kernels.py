@@ -1,0 +1,217 @@
+"""The CPU quantized-matmul kernels (``mlx_backend/cpu/kernels``) against
+``mx.dequantize`` followed by a float32 matmul, within bounds derived from their
+arithmetic; their edge cases; and how the backend routes layers to them or, with the
+extension missing, keeps its float32 path."""
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlx_backend.cpu import kernels
+from mlx_backend.cpu.compute_path import prepare_for_cpu
+
+FLOAT32_EPS = 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def qmm():
+    """The built extension. On Linux CPU ``make install`` builds it, so missing it
+    there fails; elsewhere (Metal, CUDA) the tests skip."""
+    module, why = kernels.load_kernels()
+    if module is None:
+        if sys.platform == "linux" and mx.default_device() == mx.cpu:
+            pytest.fail(f"the CPU kernels are missing: {why}")
+        pytest.skip(why)
+    yield module
+    module.set_isa("auto")
+    module.set_int8_activations(False)
+    module.set_threads(2)
+
+
+def isas(qmm) -> list[str]:
+    best = qmm.settings()["isa"]
+    return [best] if best.startswith("portable") else [best, "portable"]
+
+
+def quantized(n: int, k: int, bits: int, group_size: int, dtype, seed: int):
+    w = mx.random.normal((n, k), key=mx.random.key(seed))
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    return wq, scales.astype(dtype), biases.astype(dtype)
+
+
+def reference(x, wq, scales, biases, group_size, bits):
+    """The float32 product, and each output's sum of |x| * |scale * q| (what
+    rounding errors scale with)."""
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    w = mx.dequantize(wq, s32, b32, group_size=group_size, bits=bits)
+    q = mx.dequantize(wq, s32, mx.zeros_like(b32), group_size=group_size, bits=bits)
+    x = x.astype(mx.float32)
+    return x @ w.T, mx.abs(x) @ mx.abs(q).T, mx.abs(x) @ mx.abs(w).T
+
+
+def int8_bound(x, wq, scales, group_size, bits):
+    """The most that rounding x to int8 per group can move each output: half a
+    step (the group's max |x| / 127) times the group's sum of |scale * q|."""
+    rows, k = x.shape
+    groups = k // group_size
+    step = mx.max(mx.abs(x).reshape(rows, groups, group_size), axis=-1) / 127
+    q = mx.dequantize(
+        wq,
+        scales.astype(mx.float32),
+        mx.zeros_like(scales, dtype=mx.float32),
+        group_size=group_size,
+        bits=bits,
+    )
+    per_group = mx.abs(q).reshape(q.shape[0], groups, group_size).sum(axis=-1)
+    return (step / 2) @ per_group.T
+
+
+def assert_within(y, expected, bound):
+    excess = mx.abs(y - expected) - bound
+    assert mx.max(excess).item() <= 0, f"exceeds its bound by {mx.max(excess).item()}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
+    """Random shapes (odd output counts, several groups) at 1, 2, 7, 32 and 300
+    rows, on each instruction set, with float32 and int8 activations. Float32
+    accumulation of K products stays within K * eps of the sum of their magnitudes
+    (x2: the dequantized reference rounds too); int8 activations add at most
+    int8_bound."""
+    seed = bits * 1000 + group_size + {mx.float16: 1, mx.bfloat16: 2}.get(dtype, 3)
+    n, k = 37 + seed % 50, group_size * (2 + seed % 5)
+    wq, scales, biases = quantized(n, k, bits, group_size, dtype, seed)
+    for rows in (1, 2, 7, 32, 300):
+        x = mx.random.normal((rows, k), key=mx.random.key(seed + rows))
+        expected, magnitude, total = reference(x, wq, scales, biases, group_size, bits)
+        float_bound = 2 * k * FLOAT32_EPS * total + 1e-6
+        for isa in isas(qmm):
+            qmm.set_isa(isa)
+            for int8 in (False, True):
+                qmm.set_int8_activations(int8)
+                y = qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
+                assert y.shape == (rows, n) and y.dtype == mx.float32
+                bound = float_bound
+                # The int8 kernel runs up to the row limit; more rows go to sgemm.
+                if qmm.settings()["int8_activations"] and rows <= 32:
+                    bound = bound + int8_bound(x, wq, scales, group_size, bits)
+                assert_within(y, expected, bound)
+    qmm.set_isa("auto")
+    qmm.set_int8_activations(False)
+
+
+def test_threads_give_the_same_products(qmm):
+    wq, scales, biases = quantized(1000, 512, 4, 32, mx.float16, 7)
+    x = mx.random.normal((3, 512), key=mx.random.key(8))
+    products = []
+    for threads in (1, 2, 3):
+        qmm.set_threads(threads)
+        products.append(qmm.quantized_matmul(x, wq, scales, biases, 32, 4))
+    assert qmm.settings()["threads"] == 3
+    qmm.set_threads(2)
+    # Each output is one thread's work, summed in the same order.
+    assert mx.array_equal(products[0], products[1])
+    assert mx.array_equal(products[0], products[2])
+
+
+def test_leading_axes_dtypes_and_views(qmm):
+    wq, scales, biases = quantized(64, 256, 4, 64, mx.bfloat16, 11)
+    x = mx.random.normal((2, 3, 256), key=mx.random.key(12))
+    expected = reference(x.reshape(6, 256), wq, scales, biases, 64, 4)[0]
+    y = qmm.quantized_matmul(x, wq, scales, biases, 64, 4)
+    assert y.shape == (2, 3, 64)
+    assert mx.allclose(y.reshape(6, 64), expected, atol=1e-3)
+    half = qmm.quantized_matmul(x.astype(mx.float16), wq, scales, biases, 64, 4)
+    assert half.dtype == mx.float16
+    # A weight that is not contiguous (every other row), and x transposed twice.
+    rows = wq[::2]
+    picked = (rows, scales[::2], biases[::2], 64, 4)
+    y = qmm.quantized_matmul(x.swapaxes(0, 1), *picked)
+    expected = reference(x.swapaxes(0, 1).reshape(6, 256), *picked)[0]
+    assert mx.allclose(y.reshape(6, 32), expected, atol=1e-3)
+
+
+def test_nan_and_inf_scales_reach_only_their_rows(qmm):
+    wq, scales, biases = quantized(16, 128, 4, 32, mx.float16, 13)
+    scales[3, 1] = mx.nan
+    scales[5, 0] = mx.inf
+    x = mx.random.normal((4, 128), key=mx.random.key(14))
+    y = qmm.quantized_matmul(x, wq, scales, biases, 32, 4)
+    finite = mx.isfinite(y)
+    assert not finite[:, 3].any().item() and not finite[:, 5].any().item()
+    assert finite[:, [0, 1, 2, 4, 6]].all().item()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((mx.zeros((2, 100)), 4, 32), "last axis must be 128"),
+        ((mx.zeros((2, 128)), 3, 32), "bits must be 2, 4 or 8"),
+        ((mx.zeros((2, 128)), 4, 48), "group_size must be a multiple of 32"),
+    ],
+)
+def test_bad_shapes_are_refused(qmm, args, message):
+    wq, scales, biases = quantized(8, 128, 4, 32, mx.float16, 15)
+    x, bits, group_size = args
+    with pytest.raises(ValueError, match=message):
+        qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
+
+
+def tiny_quantized_model(bits: int = 4, group_size: int = 32) -> nn.Module:
+    model = nn.Sequential(nn.Embedding(50, 64), nn.Linear(64, 96), nn.Linear(96, 64))
+    nn.quantize(model, group_size=group_size, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_use_kernels_routes_the_formats_they_take(qmm):
+    model = tiny_quantized_model()
+    before = model.layers[1](mx.ones((1, 64)))
+    assert kernels.use_kernels(model) == 3
+    assert type(model.layers[1]) is kernels.KernelQuantizedLinear
+    assert isinstance(model.layers[1], nn.QuantizedLinear)
+    assert mx.allclose(model.layers[1](mx.ones((1, 64))), before, atol=0.05)
+    # Embeddings come out in float32, as on the dequantized path.
+    assert model.layers[0](mx.array([1, 2])).dtype == mx.float32
+    # 3-bit weights stay on MLX's kernels.
+    assert kernels.use_kernels(tiny_quantized_model(bits=3)) == 0
+
+
+def test_prepare_for_cpu_picks_the_kernels_then_explains_the_fallbacks(
+    qmm, monkeypatch
+):
+    model, path = prepare_for_cpu(tiny_quantized_model(), None, None)
+    assert "quantized weights on SIMD kernels" in path.description
+    assert path.kernel_isa == qmm.settings()["isa"]
+    assert path.breakdown()["cpu_kernels"] == 1
+    assert path.breakdown()[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
+    _, path = prepare_for_cpu(tiny_quantized_model(), None, None, int8_activations=True)
+    assert "int8 activations" in path.description
+    assert qmm.settings()["int8_activations"]
+    prepare_for_cpu(tiny_quantized_model(), None, None)
+    assert not qmm.settings()["int8_activations"]
+    _, path = prepare_for_cpu(tiny_quantized_model(), True, None)
+    assert "dequantized to float32" in path.description and not path.kernel_isa
+    _, path = prepare_for_cpu(tiny_quantized_model(bits=3), None, None)
+    assert "SIMD kernels: no layer in a format they take" in path.description
+    monkeypatch.setenv(kernels.KERNELS_ENV, "off")
+    _, path = prepare_for_cpu(tiny_quantized_model(), None, None)
+    assert f"SIMD kernels: off ({kernels.KERNELS_ENV})" in path.description
+
+
+def test_a_missing_extension_is_named_and_the_float32_path_taken(monkeypatch):
+    # As when the build failed: the import finds no module.
+    monkeypatch.setitem(sys.modules, "mlx_backend.cpu.kernels._qmm", None)
+    module, why = kernels.load_kernels()
+    assert (
+        module is None
+        and why == "the kernel extension is not built (make install builds it)"
+    )
+    model, path = prepare_for_cpu(tiny_quantized_model(), None, None)
+    assert not path.kernel_isa and path.breakdown()["cpu_kernels"] == 0
+    assert "SIMD kernels: the kernel extension is not built" in path.description
+    assert kernels.kernel_settings() is None
