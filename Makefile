@@ -63,7 +63,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
-# All eleven parts; the tables are appended to bench/RESULTS.md.
+# All twelve parts; the tables are appended to bench/RESULTS.md.
 bench: test-deps $(VENV)/.bench-installed
 	$(PY) -m bench.bench
 

@@ -70,9 +70,9 @@ class LoadOptions:
     # dequantizes when the float32 weights fit dequantize_max_bytes.
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
-    # The SIMD kernels quantize activations to int8 per group, as llama.cpp does:
-    # faster, but logprobs move by up to ~0.8 on the default model (docs/cpu-kernels.md).
-    int8_activations: bool = False
+    # What the SIMD kernels multiply weights with: "float32", or x rounded per group
+    # to "int16" or "int8" (llama.cpp's way; logprobs move, docs/cpu-kernels.md).
+    kernel_activations: str = "float32"
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
     # Replies a stream may hold unread by its client before it is ended.
@@ -197,6 +197,11 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
     if parsed.cpu_pacing not in CPU_PACING_MODES:
         raise InvalidArgument(
             f"Options: cpu_pacing must be one of {', '.join(CPU_PACING_MODES)}"
+        )
+    if parsed.kernel_activations not in KERNEL_ACTIVATIONS:
+        raise InvalidArgument(
+            "Options: kernel_activations must be one of "
+            + ", ".join(KERNEL_ACTIVATIONS)
         )
     tool_parser, reasoning = check_format_options(parsed.tool_parser, parsed.reasoning)
     parsed = dataclasses.replace(parsed, tool_parser=tool_parser, reasoning=reasoning)
@@ -324,6 +329,7 @@ def check_sampling(field: str, name: str, value: float) -> float:
 EMBEDDING_POOLINGS = ("mean", "last")
 SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
 CPU_PACING_MODES = ("auto", "on", "off")
+KERNEL_ACTIVATIONS = ("float32", "int16", "int8")
 DISTRIBUTED_BACKENDS = ("ring", "jaccl", "mpi")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # Proposed tokens one step may verify, at most (LoadModel option and NDraft).

@@ -41,6 +41,10 @@
    request's TTFT, the long one's against its prefill alone); 32 concurrent long
    prompts against a backend with a memory_budget (peak RSS, wall time, failures);
    aggregate tok/s at 8 and 16 streams.
+12. CPU kernels (bench/cpu_kernels.py; Linux CPU): the SIMD quantized-matmul kernels
+   (float32 and int8 activations) against the float32 path and MLX's own quantized
+   kernel: decode at 1, 8 and 16 streams, prefill, peak memory, the bytes read per
+   step; and a random 1B-class 4-bit llama on the kernels against MLX's.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the
@@ -65,6 +69,7 @@ import backend_pb2 as pb
 from bench.admission import FLOOD_TOKENS, bench_admission
 from bench.batching import bench_batching
 from bench.chat_formats import bench_chat_formats
+from bench.cpu_kernels import bench_cpu_kernels
 from bench.cpu_paths import bench_cpu_paths
 from bench.distributed import bench_distributed
 from bench.memory import bench_memory
@@ -134,7 +139,7 @@ def append_results(path: Path, header: str, parts: list[int], lines: list[str]) 
     the date (UTC), the commit and the machine's ``header``, then ``lines`` fenced."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ran = ", ".join(map(str, parts))
-    which = "all" if parts == list(range(1, 12)) else ran
+    which = "all" if parts == list(range(1, 13)) else ran
     tables = "\n".join(line.rstrip() for line in lines).strip("\n")
     section = [
         "",
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distributed-tokens", type=int, default=32)
     parser.add_argument("--families-rounds", type=int, default=1)
     parser.add_argument("--admission-rounds", type=int, default=2)
+    parser.add_argument("--kernel-rounds", type=int, default=2)
     parser.add_argument(
         "--admission-flood-tokens",
         type=int,
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 12)),
+        default=set(range(1, 13)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -231,9 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         if 3 in parts:
             report["prompt_cache"], part = bench_prompt_cache(fast, args.cache_rounds)
             lines += [""] + part
-        # mlx_lm.server gets the weights as this backend runs them.
+        # mlx_lm.server gets the weights in float32 where this backend runs on a
+        # CPU (its fastest path there: MLX's quantized CPU kernel is slower).
         breakdown = fast.Status(pb.HealthMessage()).memory.breakdown
-        dequantize = breakdown["dequantized_weights"] > 0
+        dequantize = breakdown["dequantized_weights"] > 0 or breakdown["cpu_kernels"]
         exported = export_mlx_folder(
             default_model_path(), Path(folder) / "mlx", dequantize=dequantize
         )
@@ -293,6 +300,12 @@ def main(argv: list[str] | None = None) -> None:
                 args.admission_flood_tokens,
             )
             lines += [""] + part
+    if 12 in parts and sys.platform == "linux":
+        # After the other parts' servers are gone: its servers run one at a time.
+        report["cpu_kernels"], part = bench_cpu_kernels(
+            running_process, args.kernel_rounds, args.tokens, args.batch_tokens
+        )
+        lines += [""] + part
     if 7 in parts:
         # After the other parts' servers are gone: each rank wants the cores.
         report["distributed"], part = bench_distributed(
@@ -305,8 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2))
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
     if not args.no_results:
-        linux = sys.platform == "linux"  # part 2 runs on Linux only
-        ran = [n for n in range(1, 12) if n in parts and (n != 2 or linux)]
+        linux = sys.platform == "linux"  # parts 2 and 12 run on Linux only
+        ran = [n for n in range(1, 13) if n in parts and (n not in (2, 12) or linux)]
         append_results(RESULTS, header, ran, lines)
         sys.stdout.write(f"appended to {RESULTS}\n")
 

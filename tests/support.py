@@ -277,11 +277,12 @@ def run_concurrently(calls) -> list:
     return results
 
 
-def rss_kib(pid: int) -> int | None:
-    """VmRSS of a process in KiB, or None once it is gone."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int | None:
+    """VmRSS (or another of /proc/PID/status's fields, e.g. the peak, VmHWM) of a
+    process in KiB, or None once it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except (OSError, ValueError):
         pass

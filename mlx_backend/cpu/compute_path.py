@@ -75,13 +75,14 @@ def prepare_for_cpu(
     dequantize: bool | None,
     max_bytes: int | None,
     kernels: bool = True,
-    int8_activations: bool = False,
+    activations: str = "float32",
 ) -> tuple[nn.Module, ComputePath]:
     """Pick the fastest correct weight layout for the CPU device.
 
     Quantized weights stay quantized and run on the SIMD kernels (``cpu/kernels``)
-    unless ``dequantize`` is true or ``kernels`` is false; ``int8_activations`` has
-    them round activations to int8. Without the kernels, MLX's
+    unless ``dequantize`` is true or ``kernels`` is false; ``activations`` is what
+    they multiply the weights with (float32, or x rounded to int16 or int8). Without
+    the kernels, MLX's
     quantized CPU kernels cost the same per row at any batch size, while a float32
     matmul through a fast BLAS is several times faster for one row and far faster
     for many; so quantized weights are dequantized when they fit the budget.
@@ -105,7 +106,7 @@ def prepare_for_cpu(
     ):
         no_kernels = "no layer in a format they take"
     if not dequantize and not no_kernels:
-        load_kernels()[0].set_int8_activations(int8_activations)
+        load_kernels()[0].set_activations(activations)
         settings = kernel_settings()
         return model, ComputePath(
             f"CPU, {blas_text}, quantized weights on {settings.describe()}",

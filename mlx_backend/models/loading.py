@@ -272,7 +272,7 @@ def load_draft(
         draft.model,
         options.dequantize,
         options.dequantize_max_bytes,
-        int8_activations=options.int8_activations,
+        activations=options.kernel_activations,
     )
     if path.kernel_isa:
         use_kernels(model)
@@ -361,7 +361,7 @@ def prepare_model(
         options.dequantize,
         options.dequantize_max_bytes,
         kernels=not tensor_parallel,
-        int8_activations=options.int8_activations,
+        activations=options.kernel_activations,
     )
     if adapters:
         # After dequantizing: the adapters then wrap (or fuse into) float32 linears.

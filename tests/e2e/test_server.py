@@ -315,7 +315,8 @@ def test_status_ready_with_memory(server):
 
 
 def test_linux_cpu_runs_the_fast_path(server):
-    """With the fast BLAS installed (make install), the default model is dequantized."""
+    """With the fast BLAS and the SIMD kernels built (make install), the default
+    model runs quantized on the kernels, on the fast BLAS's threads."""
     if sys.platform != "linux" or mx.default_device().type != mx.cpu:
         pytest.skip("the fast CPU path is for Linux CPU")
     library = find_fast_blas()
@@ -324,9 +325,10 @@ def test_linux_cpu_runs_the_fast_path(server):
         assert "libmkl_rt" in library, "requirements-cpu.txt installs MKL on x86_64"
     breakdown = server.stub.Status(pb.HealthMessage()).memory.breakdown
     assert breakdown["fast_blas"] == 1
-    assert breakdown["dequantized_weights"] > 500_000_000
+    assert breakdown["cpu_kernels"] == 1 and breakdown["dequantized_weights"] == 0
+    assert breakdown["cpu_kernel_threads"] == breakdown["blas_threads"]
     assert f"restarting with {library} preloaded" in server.logs()
-    assert "weights dequantized to float32" in server.logs()
+    assert "quantized weights on SIMD kernels" in server.logs()
     # The host's pacing setting (the suite's: conftest.py) is named in the load log.
     host = os.environ[CPU_PACING_ENV]
     assert breakdown["cpu_paced"] == (host == "on")

@@ -80,7 +80,7 @@ def test_the_engine_serves_on_the_kernels_and_reports_them(engines):
 
 
 def test_int8_activations_are_a_load_option():
-    engine = load_engine("int8_activations:true")
+    engine = load_engine("kernel_activations:int8")
     try:
         assert "int8 activations" in engine.info.compute_path.description
         (events,) = run(engine, generation(engine, max_tokens=8))

@@ -35,10 +35,12 @@ def smollm_adapter(folder: Path, seed: int, layers: int = 6) -> Path:
     return folder
 
 
-def greedy_answer(*adapters: tuple[Path, float], fuse: bool = False) -> str:
+def greedy_answer(
+    *adapters: tuple[Path, float], fuse: bool = False, extra: tuple[str, ...] = ()
+) -> str:
     engine = Engine()
     try:
-        options = parse_options([f"fuse_lora:{fuse}", "max_tokens:24"])
+        options = parse_options([f"fuse_lora:{fuse}", "max_tokens:24", *extra])
         engine.load(
             LoadPlan(
                 identity="default",
@@ -58,8 +60,15 @@ def test_adapters_on_the_embedded_model(tmp_path: Path):
     assert greedy_answer((one, 0.0)) == base
     adapted = greedy_answer((one, 1.0))
     assert adapted != base
-    assert greedy_answer((one, 1.0), fuse=True) == adapted
     assert greedy_answer((one, 1.0), (two, 1.0)) not in (base, adapted)
+    # Fused into float32 weights the update is exact. Fused into quantized ones (the
+    # CPU kernels' path, or a GPU), the weights are quantized again, as mlx-lm's
+    # fuse does, which moves this strong random adapter's text.
+    float32 = ("dequantize:true",)
+    assert greedy_answer((one, 1.0), fuse=True, extra=float32) == greedy_answer(
+        (one, 1.0), extra=float32
+    )
+    assert greedy_answer((one, 1.0), fuse=True) not in (base, "")
 
 
 def test_a_failed_adapter_keeps_the_model(tmp_path: Path):

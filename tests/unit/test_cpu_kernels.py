@@ -26,7 +26,7 @@ def qmm():
         pytest.skip(why)
     yield module
     module.set_isa("auto")
-    module.set_int8_activations(False)
+    module.set_activations("float32")
     module.set_threads(2)
 
 
@@ -51,12 +51,13 @@ def reference(x, wq, scales, biases, group_size, bits):
     return x @ w.T, mx.abs(x) @ mx.abs(q).T, mx.abs(x) @ mx.abs(w).T
 
 
-def int8_bound(x, wq, scales, group_size, bits):
-    """The most that rounding x to int8 per group can move each output: half a
-    step (the group's max |x| / 127) times the group's sum of |scale * q|."""
+def rounding_bound(x, wq, scales, group_size, bits, top):
+    """The most that rounding x per group to integers up to ``top`` (127 for int8,
+    32767 for int16) can move each output: half a step (the group's max |x| /
+    top) times the group's sum of |scale * q|."""
     rows, k = x.shape
     groups = k // group_size
-    step = mx.max(mx.abs(x).reshape(rows, groups, group_size), axis=-1) / 127
+    step = mx.max(mx.abs(x).reshape(rows, groups, group_size), axis=-1) / top
     q = mx.dequantize(
         wq,
         scales.astype(mx.float32),
@@ -78,10 +79,10 @@ def assert_within(y, expected, bound):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
     """Random shapes (odd output counts, several groups) at 1, 2, 7, 32 and 300
-    rows, on each instruction set, with float32 and int8 activations. Float32
-    accumulation of K products stays within K * eps of the sum of their magnitudes
-    (x2: the dequantized reference rounds too); int8 activations add at most
-    int8_bound."""
+    rows, on each instruction set, with float32, int16 and int8 activations.
+    Float32 accumulation of K products stays within K * eps of the sum of their
+    magnitudes (x2: the dequantized reference rounds too); rounded activations add
+    at most rounding_bound."""
     seed = bits * 1000 + group_size + {mx.float16: 1, mx.bfloat16: 2}.get(dtype, 3)
     n, k = 37 + seed % 50, group_size * (2 + seed % 5)
     wq, scales, biases = quantized(n, k, bits, group_size, dtype, seed)
@@ -91,17 +92,18 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
         float_bound = 2 * k * FLOAT32_EPS * total + 1e-6
         for isa in isas(qmm):
             qmm.set_isa(isa)
-            for int8 in (False, True):
-                qmm.set_int8_activations(int8)
+            for activations, top in (("float32", 0), ("int16", 32767), ("int8", 127)):
+                qmm.set_activations(activations)
                 y = qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
                 assert y.shape == (rows, n) and y.dtype == mx.float32
                 bound = float_bound
-                # The int8 kernel runs up to the row limit; more rows go to sgemm.
-                if qmm.settings()["int8_activations"] and rows <= 32:
-                    bound = bound + int8_bound(x, wq, scales, group_size, bits)
+                # The row kernels run up to the row limit; more rows go to sgemm.
+                rounded = qmm.settings()["activations"] != "float32"
+                if rounded and rows <= qmm.settings()["rows_limit"]:
+                    bound = bound + rounding_bound(x, wq, scales, group_size, bits, top)
                 assert_within(y, expected, bound)
     qmm.set_isa("auto")
-    qmm.set_int8_activations(False)
+    qmm.set_activations("float32")
 
 
 def test_threads_give_the_same_products(qmm):
@@ -144,6 +146,11 @@ def test_nan_and_inf_scales_reach_only_their_rows(qmm):
     finite = mx.isfinite(y)
     assert not finite[:, 3].any().item() and not finite[:, 5].any().item()
     assert finite[:, [0, 1, 2, 4, 6]].all().item()
+
+
+def test_unknown_activations_are_refused(qmm):
+    with pytest.raises(ValueError, match="activations must be float32, int16 or int8"):
+        qmm.set_activations("int4")
 
 
 @pytest.mark.parametrize(
@@ -189,11 +196,12 @@ def test_prepare_for_cpu_picks_the_kernels_then_explains_the_fallbacks(
     assert path.kernel_isa == qmm.settings()["isa"]
     assert path.breakdown()["cpu_kernels"] == 1
     assert path.breakdown()[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
-    _, path = prepare_for_cpu(tiny_quantized_model(), None, None, int8_activations=True)
+    assert "float32 activations" in path.description
+    _, path = prepare_for_cpu(tiny_quantized_model(), None, None, activations="int8")
     assert "int8 activations" in path.description
-    assert qmm.settings()["int8_activations"]
+    assert qmm.settings()["activations"] == "int8"
     prepare_for_cpu(tiny_quantized_model(), None, None)
-    assert not qmm.settings()["int8_activations"]
+    assert qmm.settings()["activations"] == "float32"
     _, path = prepare_for_cpu(tiny_quantized_model(), True, None)
     assert "dequantized to float32" in path.description and not path.kernel_isa
     _, path = prepare_for_cpu(tiny_quantized_model(bits=3), None, None)

@@ -55,11 +55,14 @@ class KernelSettings:
     threads: int
     # Rows of x up to which the row kernel runs; more go to sgemm on tiles.
     rows_limit: int
-    int8_activations: bool = False
+    # float32, int16 or int8: what the row kernel multiplies the weights with.
+    activations: str = "float32"
 
     def describe(self) -> str:
-        int8 = ", int8 activations" if self.int8_activations else ""
-        return f"SIMD kernels ({self.isa}, {self.threads} threads{int8})"
+        return (
+            f"SIMD kernels ({self.isa}, {self.threads} threads, "
+            f"{self.activations} activations)"
+        )
 
 
 def kernel_settings() -> KernelSettings | None:
@@ -67,9 +70,7 @@ def kernel_settings() -> KernelSettings | None:
     if qmm is None:
         return None
     s = qmm.settings()
-    return KernelSettings(
-        s["isa"], s["threads"], s["rows_limit"], s["int8_activations"]
-    )
+    return KernelSettings(s["isa"], s["threads"], s["rows_limit"], s["activations"])
 
 
 def runs_on_kernels(layer: nn.Module) -> bool:
@@ -129,7 +130,7 @@ _KERNEL_CLASSES = {
 }
 
 
-def float32_activations(model: nn.Module) -> None:
+def float32_parameters(model: nn.Module) -> None:
     """Cast every floating parameter but quantized layers' scales and biases to
     float32, so activations are float32 as on the dequantized path."""
     quantized = {name for name, m in model.named_modules() if hasattr(m, "bits")}
@@ -156,7 +157,7 @@ def use_kernels(model: nn.Module) -> int:
             module.__class__ = kernel_class
             routed += 1
     if routed:
-        float32_activations(model)
+        float32_parameters(model)
     return routed
 
 

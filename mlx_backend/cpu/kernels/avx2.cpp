@@ -171,7 +171,7 @@ inline void rows_tile_int8(
   const float* xd[ROWS];
   __m256 total[ROWS];
   for (int r = 0; r < ROWS; r++) {
-    xq[r] = p.xq + std::size_t(m + r) * p.K;
+    xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
     xd[r] = p.xd + std::size_t(m + r) * groups;
     total[r] = _mm256_setzero_ps();
   }
@@ -213,60 +213,105 @@ inline void rows_tile_int8(
   }
 }
 
-template <int BITS>
-void rows_bits_int8(const Problem& p, int n0, int n1) {
+// The int16 kernel: weights widened to int16 meet x rounded to int16 per group in
+// vpmaddwd (16 products a step); a group's int32 sums can't overflow (at most
+// 255 * 32767 * 2 * 8 per lane for 128 8-bit weights).
+template <int BITS, int ROWS>
+inline void rows_tile_int16(
+    const Problem& p,
+    int n,
+    int m,
+    const float* scales,
+    const float* biases) {
+  int groups = p.K / p.group_size;
+  int chunks = p.group_size / 32;
+  const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
+  const int16_t* xq[ROWS];
+  const float* xd[ROWS];
+  __m256 total[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    xq[r] = static_cast<const int16_t*>(p.xq) + std::size_t(m + r) * p.K;
+    xd[r] = p.xd + std::size_t(m + r) * groups;
+    total[r] = _mm256_setzero_ps();
+  }
+  for (int g = 0; g < groups; g++) {
+    __m256i acc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+      acc[r] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < chunks; c++, packed += BITS) {
+      // First and second 16 weights as int16, in the order x was put in.
+      __m256i first, second;
+      if constexpr (BITS == 4) {
+        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+        __m128i mask = _mm_set1_epi8(0x0f);
+        first = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+        second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+      } else {
+        auto bytes = reinterpret_cast<const __m128i*>(packed);
+        first = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
+        second = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes + 1));
+      }
+      int k = (g * chunks + c) * 32;
+      for (int r = 0; r < ROWS; r++) {
+        auto x = reinterpret_cast<const __m256i*>(xq[r] + k);
+        __m256i sums = _mm256_add_epi32(
+            _mm256_madd_epi16(first, _mm256_loadu_si256(x)),
+            _mm256_madd_epi16(second, _mm256_loadu_si256(x + 1)));
+        acc[r] = _mm256_add_epi32(acc[r], sums);
+      }
+    }
+    for (int r = 0; r < ROWS; r++) {
+      __m256 scale = _mm256_set1_ps(scales[g] * xd[r][g]);
+      total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), scale, total[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++) {
+    const float* xsum = p.xsum + std::size_t(m + r) * groups;
+    p.y[std::size_t(m + r) * p.N + n] =
+        horizontal_sum(total[r]) + dot(biases, xsum, groups);
+  }
+}
+
+// Every row of x against weight rows n0..n1, in tiles of up to 4 rows.
+enum class Activations { float32, int16, int8 };
+
+template <int BITS, Activations X>
+void rows_bits(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
   thread_local std::vector<float> scales, biases;
   scales.resize(groups);
   biases.resize(groups);
+  auto tile = [&]<int ROWS>(int n, int m) {
+    if constexpr (X == Activations::int8) {
+      rows_tile_int8<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+    } else if constexpr (X == Activations::int16) {
+      rows_tile_int16<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+    } else {
+      rows_tile<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+    }
+  };
   for (int n = n0; n < n1; n++) {
     load_scales(p, p.scales, n, scales.data());
     load_scales(p, p.biases, n, biases.data());
-    if constexpr (BITS == 8) {
+    if constexpr (X == Activations::int8 && BITS == 8) {
       for (int g = 0; g < groups; g++) {
         biases[g] += 128.0f * scales[g];
       }
     }
     int m = 0;
     for (; m + 4 <= p.M; m += 4) {
-      rows_tile_int8<BITS, 4>(p, n, m, scales.data(), biases.data());
+      tile.template operator()<4>(n, m);
     }
     switch (p.M - m) {
       case 3:
-        rows_tile_int8<BITS, 3>(p, n, m, scales.data(), biases.data());
+        tile.template operator()<3>(n, m);
         break;
       case 2:
-        rows_tile_int8<BITS, 2>(p, n, m, scales.data(), biases.data());
+        tile.template operator()<2>(n, m);
         break;
       case 1:
-        rows_tile_int8<BITS, 1>(p, n, m, scales.data(), biases.data());
-        break;
-    }
-  }
-}
-
-template <int BITS>
-void rows_bits(const Problem& p, int n0, int n1) {
-  int groups = p.K / p.group_size;
-  thread_local std::vector<float> scales, biases;
-  scales.resize(groups);
-  biases.resize(groups);
-  for (int n = n0; n < n1; n++) {
-    load_scales(p, p.scales, n, scales.data());
-    load_scales(p, p.biases, n, biases.data());
-    int m = 0;
-    for (; m + 4 <= p.M; m += 4) {
-      rows_tile<BITS, 4>(p, n, m, scales.data(), biases.data());
-    }
-    switch (p.M - m) {
-      case 3:
-        rows_tile<BITS, 3>(p, n, m, scales.data(), biases.data());
-        break;
-      case 2:
-        rows_tile<BITS, 2>(p, n, m, scales.data(), biases.data());
-        break;
-      case 1:
-        rows_tile<BITS, 1>(p, n, m, scales.data(), biases.data());
+        tile.template operator()<1>(n, m);
         break;
     }
   }
@@ -302,17 +347,25 @@ void dequantize_bits(const Problem& p, int n0, int n1, float* out) {
 
 void rows_avx2(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    rows_bits<4>(p, n0, n1);
+    rows_bits<4, Activations::float32>(p, n0, n1);
   } else {
-    rows_bits<8>(p, n0, n1);
+    rows_bits<8, Activations::float32>(p, n0, n1);
   }
 }
 
 void rows_avx2_int8(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    rows_bits_int8<4>(p, n0, n1);
+    rows_bits<4, Activations::int8>(p, n0, n1);
   } else {
-    rows_bits_int8<8>(p, n0, n1);
+    rows_bits<8, Activations::int8>(p, n0, n1);
+  }
+}
+
+void rows_avx2_int16(const Problem& p, int n0, int n1) {
+  if (p.bits == 4) {
+    rows_bits<4, Activations::int16>(p, n0, n1);
+  } else {
+    rows_bits<8, Activations::int16>(p, n0, n1);
   }
 }
 

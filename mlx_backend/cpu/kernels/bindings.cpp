@@ -28,11 +28,11 @@ NB_MODULE(_qmm, m) {
     d["threads"] = s.threads;
     d["rows_limit"] = s.rows_limit;
     d["sgemm"] = s.sgemm;
-    d["int8_activations"] = s.int8_activations;
+    d["activations"] = s.activations;
     return d;
   });
   m.def("set_threads", &qmm::set_threads, "threads"_a);
   m.def("set_rows_limit", &qmm::set_rows_limit, "rows"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
-  m.def("set_int8_activations", &qmm::set_int8_activations, "on"_a);
+  m.def("set_activations", &qmm::set_activations, "activations"_a);
 }

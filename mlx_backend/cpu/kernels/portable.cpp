@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <vector>
 
 #include "qmm.h"
@@ -19,7 +20,11 @@ inline int weight_at(const uint32_t* row, int k, int bits) {
 
 } // namespace
 
-void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd) {
+namespace {
+
+template <typename T>
+void quantize_to(const Problem& p, bool interleaved, T* xq, float* xd) {
+  constexpr float top = std::numeric_limits<T>::max();
   int groups = p.K / p.group_size;
   for (int m = 0; m < p.M; m++) {
     for (int g = 0; g < groups; g++) {
@@ -29,16 +34,25 @@ void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd) {
       for (int k = 0; k < p.group_size; k++) {
         amax = std::max(amax, std::abs(x[k]));
       }
-      float d = amax / 127.0f;
-      float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      xd[std::size_t(m) * groups + g] = d;
-      int8_t* out = xq + std::size_t(m) * p.K + k0;
+      float inverse = amax > 0.0f ? top / amax : 0.0f;
+      xd[std::size_t(m) * groups + g] = amax / top;
+      T* out = xq + std::size_t(m) * p.K + k0;
       for (int k = 0; k < p.group_size; k++) {
         int at = interleaved ? (k & ~31) + (k & 31) / 2 + (k & 1) * 16 : k;
-        out[at] = int8_t(std::lrint(x[k] * inverse));
+        out[at] = T(std::lrint(x[k] * inverse));
       }
     }
   }
+}
+
+} // namespace
+
+void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd) {
+  quantize_to(p, interleaved, xq, xd);
+}
+
+void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd) {
+  quantize_to(p, interleaved, xq, xd);
 }
 
 void dequantize_portable(const Problem& p, int n0, int n1, float* out) {

@@ -12,9 +12,9 @@ enum class ScaleType { f32, f16, bf16 };
 struct Problem {
   const float* x; // [M, K], row-major
   const float* xsum; // [M, K / group_size]: x summed over each group
-  // x quantized to int8 per group (for the int8 kernels): values [M, K], in the
-  // order the kernel reads them, and each group's scale [M, K / group_size].
-  const int8_t* xq;
+  // x quantized to int8 or int16 per group (for those kernels): values [M, K], in
+  // the order the kernel reads them, and each group's scale [M, K / group_size].
+  const void* xq;
   const float* xd;
   const uint32_t* w;
   const void* scales;
@@ -39,9 +39,11 @@ void dequantize_portable(const Problem& p, int n0, int n1, float* out);
 // x quantized per group to int8 for an int8 kernel; `interleaved` puts each 32
 // values as [even ones, odd ones], the order of 4-bit weights' low and high nibbles.
 void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd);
+void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd);
 
 #if defined(__x86_64__)
 void rows_avx2_int8(const Problem& p, int n0, int n1);
+void rows_avx2_int16(const Problem& p, int n0, int n1);
 void rows_avx2(const Problem& p, int n0, int n1);
 void dequantize_avx2(const Problem& p, int n0, int n1, float* out);
 #endif

@@ -170,7 +170,9 @@ struct Kernels {
   std::string isa;
   RowsKernel rows;
   DequantizeKernel dequantize;
-  // The row kernel on x quantized to int8 (nullptr: none for this instruction set).
+  // The row kernels on x rounded to int16 and to int8 per group (nullptr: none
+  // for this instruction set).
+  RowsKernel rows_int16 = nullptr;
   RowsKernel rows_int8 = nullptr;
 };
 
@@ -178,7 +180,7 @@ Kernels best_kernels() {
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {"avx2", rows_avx2, dequantize_avx2, rows_avx2_int8};
+    return {"avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8};
   }
 #endif
 #if defined(__aarch64__)
@@ -192,7 +194,7 @@ struct State {
   Kernels kernels = best_kernels();
   Pool pool;
   int rows_limit = 32;
-  bool int8_activations = false;
+  std::string activations = "float32";
   // Multiply-adds from which a row-kernel matmul is split over the threads.
   double parallel_work = env_number("MLX_BACKEND_KERNEL_PARALLEL_WORK", 1 << 18);
   Sgemm sgemm = find_sgemm();
@@ -244,14 +246,19 @@ void compute(Problem p) {
     std::vector<float> xsum;
     group_sums(p, xsum);
     RowsKernel rows = k.rows;
-    std::vector<int8_t> xq;
-    std::vector<float> xd;
-    if (s.int8_activations && k.rows_int8 != nullptr) {
-      xq.resize(size_t(p.M) * p.K);
-      xd.resize(size_t(p.M) * (p.K / p.group_size));
-      quantize_rows(p, p.bits == 4, xq.data(), xd.data());
-      p.xq = xq.data();
-      p.xd = xd.data();
+    std::vector<int8_t> x8;
+    std::vector<int16_t> x16;
+    std::vector<float> xd(size_t(p.M) * (p.K / p.group_size));
+    p.xd = xd.data();
+    if (s.activations == "int16" && k.rows_int16 != nullptr) {
+      x16.resize(size_t(p.M) * p.K);
+      quantize_rows(p, p.bits == 4, x16.data(), xd.data());
+      p.xq = x16.data();
+      rows = k.rows_int16;
+    } else if (s.activations == "int8" && k.rows_int8 != nullptr) {
+      x8.resize(size_t(p.M) * p.K);
+      quantize_rows(p, p.bits == 4, x8.data(), xd.data());
+      p.xq = x8.data();
       rows = k.rows_int8;
     }
     // A small matmul runs on this thread alone: waking a worker costs more than
@@ -455,13 +462,17 @@ Settings settings() {
       s.pool.size(),
       s.rows_limit,
       s.sgemm != nullptr,
-      s.int8_activations && s.kernels.rows_int8 != nullptr};
+      s.kernels.rows_int8 != nullptr ? s.activations : "float32"};
 }
 
-void set_int8_activations(bool on) {
+void set_activations(const std::string& activations) {
+  if (activations != "float32" && activations != "int16" && activations != "int8") {
+    throw std::invalid_argument(
+        "[quantized_matmul] activations must be float32, int16 or int8");
+  }
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.int8_activations = on;
+  s.activations = activations;
 }
 
 void set_threads(int threads) {

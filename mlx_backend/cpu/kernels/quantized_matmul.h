@@ -47,15 +47,15 @@ struct Settings {
   int threads;
   int rows_limit;
   bool sgemm;
-  // The row kernel quantizes x to int8 per group (llama.cpp's way) rather than
-  // multiplying float32 x.
-  bool int8_activations;
+  // What the row kernel multiplies the weights with: float32 x, or x rounded per
+  // group to int16, or to int8 (llama.cpp's way).
+  std::string activations;
 };
 
 Settings settings();
 void set_threads(int threads);
 void set_rows_limit(int rows);
-void set_int8_activations(bool on);
+void set_activations(const std::string& activations);
 // Pick the kernels: "auto" (the best this CPU runs), "avx2" or "portable".
 void set_isa(const std::string& isa);
 
