@@ -194,7 +194,8 @@ struct State {
   Kernels kernels = best_kernels();
   Pool pool;
   int rows_limit = 32;
-  std::string activations = "float32";
+  // int16: the float32 path's greedy tokens with fewer instructions (cpu-kernels.md).
+  std::string activations = "int16";
   // Multiply-adds from which a row-kernel matmul is split over the threads.
   double parallel_work = env_number("MLX_BACKEND_KERNEL_PARALLEL_WORK", 1 << 18);
   Sgemm sgemm = find_sgemm();
