@@ -12,13 +12,14 @@ SOAK_MINUTES ?= 3
 BUILD_TYPE ?=
 
 STUBS := backend_pb2.py backend_pb2_grpc.py
+KERNELS := mlx_backend/cpu/kernels/build/.built
 # What an install depends on; the test and bench files have sentinels of their own.
 INSTALL_INPUTS := install.sh backend.proto \
   $(filter-out requirements-test.txt requirements-bench.txt,$(wildcard requirements*.txt))
 
 .PHONY: install run test test-deps bench protogen clean soak e2e-localai
 
-install: $(VENV)/.installed $(STUBS)
+install: $(VENV)/.installed $(STUBS) $(KERNELS)
 
 # install.sh makes the venv, installs the requirements and the default model's
 # package, generates the stubs and (Linux CPU) tries to apt-install OpenBLAS.
@@ -30,6 +31,13 @@ $(VENV)/.installed: $(INSTALL_INPUTS)
 $(VENV)/.test-installed: $(VENV)/.installed requirements-test.txt
 	$(PY) -m pip install --quiet -r requirements-test.txt
 	touch $@
+
+# The CPU kernels (Linux CPU): install.sh builds them; rebuilt when their sources
+# change (build.sh does nothing where MLX is not the mlx-cpu build).
+$(KERNELS): $(wildcard mlx_backend/cpu/kernels/*.cpp mlx_backend/cpu/kernels/*.h) \
+  mlx_backend/cpu/kernels/CMakeLists.txt mlx_backend/cpu/kernels/build.sh | $(VENV)/.installed
+	bash mlx_backend/cpu/kernels/build.sh $(PY)
+	mkdir -p $(dir $@) && touch $@
 
 # The stubs are never committed: install.sh writes them; remade when missing or
 # older than backend.proto.
@@ -68,4 +76,5 @@ bench: test-deps $(VENV)/.bench-installed
 	$(PY) -m bench.bench
 
 clean:
-	rm -rf $(VENV) $(STUBS) __pycache__ .pytest_cache
+	rm -rf $(VENV) $(STUBS) __pycache__ .pytest_cache mlx_backend/cpu/kernels/build \
+	  mlx_backend/cpu/kernels/build.log mlx_backend/cpu/kernels/_qmm*.so
