@@ -70,10 +70,10 @@ class LoadOptions:
     # dequantizes when the float32 weights fit dequantize_max_bytes.
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
-    # What the SIMD kernels multiply weights with: x rounded per group to "int16"
-    # (default), "float32" x, or "int8" (llama.cpp's way; logprobs move by up to
-    # 0.8 on the default model, docs/cpu-kernels.md).
-    kernel_activations: str = "int16"
+    # What the SIMD kernels multiply weights with: "float32" x (default), or x
+    # rounded per group to "int16" (logprobs move by up to 0.004) or "int8"
+    # (llama.cpp's way; up to 0.8 on the default model), docs/cpu-kernels.md.
+    kernel_activations: str = "float32"
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
     # Replies a stream may hold unread by its client before it is ended.

@@ -33,14 +33,14 @@ STREAMS = (8, 16)
 # The paths, as LoadModel options and environment, in the order they run.
 PATHS = {
     "kernels": ((), {}),
-    "kernels_float32": (("kernel_activations:float32",), {}),
+    "kernels_int16": (("kernel_activations:int16",), {}),
     "kernels_int8": (("kernel_activations:int8",), {}),
     "float32": (("dequantize:true",), {}),
     "mlx_quantized": (("dequantize:false",), {"MLX_BACKEND_CPU_KERNELS": "off"}),
 }
 LABELS = {
-    "kernels": "kernels (int16 x)",
-    "kernels_float32": "kernels, float32 x",
+    "kernels": "kernels (float32 x)",
+    "kernels_int16": "kernels, int16 x",
     "kernels_int8": "kernels, int8 x",
     "float32": "float32 (before)",
     "mlx_quantized": "MLX quantized",

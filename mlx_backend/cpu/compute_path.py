@@ -75,7 +75,7 @@ def prepare_for_cpu(
     dequantize: bool | None,
     max_bytes: int | None,
     kernels: bool = True,
-    activations: str = "int16",
+    activations: str = "float32",
 ) -> tuple[nn.Module, ComputePath]:
     """Pick the fastest correct weight layout for the CPU device.
 

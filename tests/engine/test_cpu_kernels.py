@@ -24,10 +24,10 @@ pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="the kernels run on the CPU"
 )
 
-# Activations rounded to int16 per group (the default) moved logprobs by up to
-# 0.004 from the float32 path's on these prompts (float32 activations: 4e-5; int8
-# ones: 0.8, and all 8 prompts took another token within 24).
-KERNEL_NOISE = 0.02
+# The kernels (float32 activations) moved logprobs by up to 4e-5 from the float32
+# path's on these prompts. (Activations rounded to int16: 0.004; to int8: 0.8, and
+# all 8 prompts took another token within 24.)
+KERNEL_NOISE = 0.01
 PROMPTS = QUESTIONS + (
     "List five animals that live in the ocean.",
     "Explain why the sky is blue in one sentence.",

@@ -26,7 +26,7 @@ def qmm():
         pytest.skip(why)
     yield module
     module.set_isa("auto")
-    module.set_activations("int16")
+    module.set_activations("float32")
     module.set_threads(2)
 
 
@@ -103,7 +103,7 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
                     bound = bound + rounding_bound(x, wq, scales, group_size, bits, top)
                 assert_within(y, expected, bound)
     qmm.set_isa("auto")
-    qmm.set_activations("int16")
+    qmm.set_activations("float32")
 
 
 def test_threads_give_the_same_products(qmm):
@@ -121,8 +121,6 @@ def test_threads_give_the_same_products(qmm):
 
 
 def test_leading_axes_dtypes_and_views(qmm):
-    # Float32 activations: the products then agree to rounding.
-    qmm.set_activations("float32")
     wq, scales, biases = quantized(64, 256, 4, 64, mx.bfloat16, 11)
     x = mx.random.normal((2, 3, 256), key=mx.random.key(12))
     expected = reference(x.reshape(6, 256), wq, scales, biases, 64, 4)[0]
@@ -137,7 +135,6 @@ def test_leading_axes_dtypes_and_views(qmm):
     y = qmm.quantized_matmul(x.swapaxes(0, 1), *picked)
     expected = reference(x.swapaxes(0, 1).reshape(6, 256), *picked)[0]
     assert mx.allclose(y.reshape(6, 32), expected, atol=1e-3)
-    qmm.set_activations("int16")
 
 
 def test_nan_and_inf_scales_reach_only_their_rows(qmm):
@@ -199,12 +196,12 @@ def test_prepare_for_cpu_picks_the_kernels_then_explains_the_fallbacks(
     assert path.kernel_isa == qmm.settings()["isa"]
     assert path.breakdown()["cpu_kernels"] == 1
     assert path.breakdown()[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
-    assert "int16 activations" in path.description
+    assert "float32 activations" in path.description
     _, path = prepare_for_cpu(tiny_quantized_model(), None, None, activations="int8")
     assert "int8 activations" in path.description
     assert qmm.settings()["activations"] == "int8"
     prepare_for_cpu(tiny_quantized_model(), None, None)
-    assert qmm.settings()["activations"] == "int16"
+    assert qmm.settings()["activations"] == "float32"
     _, path = prepare_for_cpu(tiny_quantized_model(), True, None)
     assert "dequantized to float32" in path.description and not path.kernel_isa
     _, path = prepare_for_cpu(tiny_quantized_model(bits=3), None, None)

@@ -56,7 +56,7 @@ class KernelSettings:
     # Rows of x up to which the row kernel runs; more go to sgemm on tiles.
     rows_limit: int
     # float32, int16 or int8: what the row kernel multiplies the weights with.
-    activations: str = "int16"
+    activations: str = "float32"
 
     def describe(self) -> str:
         return (

@@ -194,8 +194,9 @@ struct State {
   Kernels kernels = best_kernels();
   Pool pool;
   int rows_limit = 32;
-  // int16: the float32 path's greedy tokens with fewer instructions (cpu-kernels.md).
-  std::string activations = "int16";
+  // float32: the same logprobs whichever kernel (rows or sgemm tiles) a row meets,
+  // so alone, batched and scored agree (cpu-kernels.md).
+  std::string activations = "float32";
   // Multiply-adds from which a row-kernel matmul is split over the threads.
   double parallel_work = env_number("MLX_BACKEND_KERNEL_PARALLEL_WORK", 1 << 18);
   Sgemm sgemm = find_sgemm();
