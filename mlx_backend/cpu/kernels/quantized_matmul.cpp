@@ -276,26 +276,16 @@ void compute(Problem p) {
     return;
   }
   // Many rows: dequantize a tile of weight rows at a time, for the BLAS's sgemm.
-  thread_local std::vector<float> buffer;
-  buffer.resize(size_t(TILE_ROWS) * p.K);
-  // The workers write this thread's buffer (a thread_local is per thread).
-  float* tile = buffer.data();
+  // On this thread alone: the BLAS's own threads stay busy (spinning) between its
+  // calls, and dequantizing is a small share of the tile's time.
+  thread_local std::vector<float> tile;
+  tile.resize(size_t(TILE_ROWS) * p.K);
   for (int t0 = 0; t0 < p.N; t0 += TILE_ROWS) {
     int t1 = std::min(p.N, t0 + TILE_ROWS);
-    int pieces = (t1 - t0 + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    // On this thread alone: the BLAS's own threads stay busy (spinning) between
-    // its calls, and dequantizing is a small share of the tile's time.
-    s.pool.run(
-        pieces,
-        [&](int i) {
-          int n0 = t0 + i * ROWS_PER_TASK;
-          int n1 = std::min(t1, n0 + ROWS_PER_TASK);
-          k.dequantize(p, n0, n1, tile + size_t(n0 - t0) * p.K);
-        },
-        false);
+    k.dequantize(p, t0, t1, tile.data());
     s.sgemm(
         ROW_MAJOR, NO_TRANS, TRANS, p.M, t1 - t0, p.K, 1.0f, p.x, p.K,
-        tile, p.K, 0.0f, p.y + t0, p.N);
+        tile.data(), p.K, 0.0f, p.y + t0, p.N);
   }
 }
 
