@@ -53,8 +53,6 @@ class KernelSettings:
 
     isa: str
     threads: int
-    # Rows of x up to which the row kernel runs; more go to sgemm on tiles.
-    rows_limit: int
     # float32, int16 or int8: what the row kernel multiplies the weights with.
     activations: str = "float32"
 
@@ -70,7 +68,7 @@ def kernel_settings() -> KernelSettings | None:
     if qmm is None:
         return None
     s = qmm.settings()
-    return KernelSettings(s["isa"], s["threads"], s["rows_limit"], s["activations"])
+    return KernelSettings(s["isa"], s["threads"], s["activations"])
 
 
 def runs_on_kernels(layer: nn.Module) -> bool:

@@ -86,6 +86,23 @@ inline float dot(const float* a, const float* b, int n) {
   return total;
 }
 
+// Each row's output for weight row n: its scaled group sums, plus the biases met
+// with x's exact group sums.
+template <int ROWS>
+inline void store_rows(
+    const Problem& p,
+    int n,
+    int m,
+    const __m256 total[ROWS],
+    const float* biases) {
+  int groups = p.K / p.group_size;
+  for (int r = 0; r < ROWS; r++) {
+    const float* xsum = p.xsum + std::size_t(m + r) * groups;
+    p.y[std::size_t(m + r) * p.N + n] =
+        horizontal_sum(total[r]) + dot(biases, xsum, groups);
+  }
+}
+
 // ROWS rows of x (from row m) against weight row n: each group's dot product is
 // scaled once, and its bias meets x's group sum. Each row sums into CHAINS
 // accumulators, so that enough FMAs are in flight to hide their latency.
@@ -134,11 +151,7 @@ inline void rows_tile(
       total[r] = _mm256_fmadd_ps(sum, scale, total[r]);
     }
   }
-  for (int r = 0; r < ROWS; r++) {
-    const float* xsum = p.xsum + std::size_t(m + r) * groups;
-    p.y[std::size_t(m + r) * p.N + n] =
-        horizontal_sum(total[r]) + dot(biases, xsum, groups);
-  }
+  store_rows<ROWS>(p, n, m, total, biases);
 }
 
 // 32 weights as bytes, in the order quantize_rows(interleaved) puts x: 4-bit
@@ -206,11 +219,7 @@ inline void rows_tile_int8(
       total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[r]);
     }
   }
-  for (int r = 0; r < ROWS; r++) {
-    const float* xsum = p.xsum + std::size_t(m + r) * groups;
-    p.y[std::size_t(m + r) * p.N + n] =
-        horizontal_sum(total[r]) + dot(biases, xsum, groups);
-  }
+  store_rows<ROWS>(p, n, m, total, biases);
 }
 
 // The int16 kernel: weights widened to int16 meet x rounded to int16 per group in
@@ -266,11 +275,7 @@ inline void rows_tile_int16(
       total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), scale, total[r]);
     }
   }
-  for (int r = 0; r < ROWS; r++) {
-    const float* xsum = p.xsum + std::size_t(m + r) * groups;
-    p.y[std::size_t(m + r) * p.N + n] =
-        horizontal_sum(total[r]) + dot(biases, xsum, groups);
-  }
+  store_rows<ROWS>(p, n, m, total, biases);
 }
 
 // Every row of x against weight rows n0..n1, in tiles of up to 4 rows.

@@ -32,7 +32,6 @@ NB_MODULE(_qmm, m) {
     return d;
   });
   m.def("set_threads", &qmm::set_threads, "threads"_a);
-  m.def("set_rows_limit", &qmm::set_rows_limit, "rows"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("set_activations", &qmm::set_activations, "activations"_a);
 }

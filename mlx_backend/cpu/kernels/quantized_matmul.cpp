@@ -473,12 +473,6 @@ void set_threads(int threads) {
   s.pool.resize(std::max(1, threads));
 }
 
-void set_rows_limit(int rows) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.rows_limit = std::max(0, rows);
-}
-
 void set_isa(const std::string& isa) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -54,7 +54,6 @@ struct Settings {
 
 Settings settings();
 void set_threads(int threads);
-void set_rows_limit(int rows);
 void set_activations(const std::string& activations);
 // Pick the kernels: "auto" (the best this CPU runs), "avx2" or "portable".
 void set_isa(const std::string& isa);
