@@ -8,7 +8,7 @@ per-request logits processors.
 import json
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.formats.grammars import ANSWER
 from mlx_backend.output.detokenizer import TokenBytes
+from mlx_backend.schemas import strict_schema
 from python_utils import load_json
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def to_llguidance(text: str) -> str:
             return llguidance.grammar_from("gbnf", source)
         if not isinstance(schema, dict):
             raise InvalidArgument("Grammar: a JSON schema must be a JSON object")
-        return llguidance.grammar_from("json_schema", source)
+        return llguidance.grammar_from("json_schema", json.dumps(strict_schema(schema)))
     except ValueError as e:
         raise InvalidArgument(f"Grammar: {e}") from None
 
@@ -157,15 +158,48 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's matcher, for the engine to read as tokens are emitted."""
+    """One request's matcher, advanced by the generated tokens in order.
+
+    Each token is seen once: by the processor's next call, or by the reply
+    pipeline before it emits the token, whichever comes first.
+    """
 
     def __init__(self, grammar: CompiledGrammar):
         self.matcher = grammar.matcher.deep_copy()
-        # Generated tokens the matcher has taken.
+        # Generated tokens seen, and of them those the matcher has taken.
+        self.seen = 0
         self.consumed = 0
         # Whether they complete the grammar, and why the output can't go on.
         self.complete = False
         self.error: str | None = None
+        # Per step whose token is not seen yet: whether no logit was left finite.
+        self._blocked: deque[mx.array] = deque()
+
+    def see(self, token: int) -> None:
+        """Advance past the next generated token; ``error`` says if it can't be."""
+        self.seen += 1
+        blocked = self._blocked.popleft() if self._blocked else None
+        if self.error is not None or self.complete:
+            return
+        if blocked is not None and blocked.item():
+            # Sampling a row of -inf picks token 0, whatever it is.
+            self.error = (
+                "no token was left to sample: the other logits processors "
+                "masked every token the grammar allows"
+            )
+            return
+        if not self.matcher.consume_token(token):
+            # llguidance's message goes on with its whole parser state.
+            reason = (self.matcher.get_error() or "").strip().splitlines()[:1]
+            self.error = ": ".join([f"token {token} breaks the grammar", *reason])
+        self.consumed += 1
+        self.complete = self.matcher.is_stopped()
+
+    def watch(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """The chain's last logits processor: notes whether the step leaves any
+        token to sample, read when its token is seen."""
+        self._blocked.append(mx.all(mx.isneginf(logits)))
+        return logits
 
     def ends_before(self, generated: int) -> bool:
         """Whether the token after ``generated`` ones lies past a complete grammar."""
@@ -177,10 +211,12 @@ def make_grammar_processor(
 ) -> tuple[GrammarState, Callable[[mx.array, mx.array], mx.array]]:
     """A logits processor that allows only what ``grammar`` allows next.
 
-    The matcher takes each sampled token at the next call. The previous token is
-    read as soon as it exists, while the model's forward pass runs, so the mask is
-    computed during the forward pass. A finished grammar, or a dead end, leaves
-    only end-of-sequence: the sequence always ends.
+    The matcher takes each sampled token at the next call (unless the reply
+    pipeline saw it first). The previous token is read as soon as it exists,
+    while the model's forward pass runs, so the mask is computed during the
+    forward pass. A finished grammar, or a dead end, leaves only
+    end-of-sequence: the sequence always ends. ``state.watch`` goes last in the
+    processor chain.
 
     Returns:
         ``(state, processor)``: the engine reads ``state.error`` for each token.
@@ -196,21 +232,17 @@ def make_grammar_processor(
         not_eos[token // 32] &= ~np.uint32(1 << token % 32)
     eos = min(eos_tokens)
     only_eos = None
-    started = False
+    calls = 0
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        nonlocal started, only_eos
+        nonlocal calls, only_eos
         # Queued before the forward pass, the previous token need not wait for it.
         last = tokens[-1]
         mx.async_eval(last)
         mx.async_eval(logits)
-        if started and state.error is None and not state.complete:
-            token = last.item()
-            if not matcher.consume_token(token):
-                state.error = f"token {token} breaks the grammar: {matcher.get_error()}"
-            state.consumed += 1
-            state.complete = matcher.is_stopped()
-        started = True
+        if state.seen < calls:
+            state.see(last.item())
+        calls += 1
         if state.error is None and not state.complete:
             llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
             words = bitmask[0].view(np.uint32)

@@ -1,7 +1,6 @@
 """Request parsing: each RPC's proto parsed once into a frozen request for the engine."""
 
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,16 +8,16 @@ from pathlib import Path
 from mlx_backend.caches.prompt_files import confine
 from mlx_backend.errors import FailedPrecondition, InvalidArgument
 from mlx_backend.formats.base import ChatFormat, tool_names
-from mlx_backend.formats.grammars import reasoning_prefix, tool_call_grammar
+from mlx_backend.formats.grammars import (
+    has_call_grammar,
+    reasoning_prefix,
+    tool_call_grammar,
+)
 from mlx_backend.formats.registry import FRAMINGS
 from mlx_backend.grammar import CompiledGrammar
 from mlx_backend.models.loading import DEFAULT_MODEL_REF, LoadPlan, ModelInfo
 from mlx_backend.models.lora import make_adapters
-from mlx_backend.output.chat_output import (
-    OutputOptions,
-    ReplyStart,
-    find_reply_start,
-)
+from mlx_backend.output.chat_output import OutputOptions, find_reply_start
 from mlx_backend.refusals import describe_path
 from python_utils import (
     MAX_DRAFT_TOKENS,
@@ -37,8 +36,6 @@ from python_utils import (
     render_chat,
     tools_into_system,
 )
-
-logger = logging.getLogger(__name__)
 
 # The prompt's last tokens, which show whether it opens thinking or a header.
 PROMPT_TAIL_TOKENS = 32
@@ -191,7 +188,7 @@ def parse_output(
     prompts (LocalAI's Go templates) that carry Tools or end inside thinking."""
     tail = info.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:])
     start = find_reply_start(info.chat_format, tail)
-    if not is_chat(request) and not args.tools and start == ReplyStart():
+    if not is_chat(request) and not args.tools and start.state == "content":
         return OutputOptions()  # a plain completion: raw text
     return OutputOptions(
         classify=True,
@@ -212,7 +209,8 @@ def parse_grammar(
     ToolChoice "required" or a named function, a call in the model's framing."""
     compiler = info.grammars
     chat_format = info.chat_format
-    start = output.start.state
+    # Where the reply starts, for the grammar ("answer": no reasoning to come).
+    start = "answer" if output.start.reasoned else output.start.state
     reasoning = ""
     if output.classify:
         reasoning = reasoning_prefix(chat_format, start, compiler.specials)
@@ -230,6 +228,11 @@ def parse_grammar(
         name = None
     else:
         return None, output
+    if not has_call_grammar(chat_format):
+        raise FailedPrecondition(
+            f"ToolChoice: this model's tool calls ({chat_format.tools.name}) have no "
+            'grammar here, so a call can\'t be forced; use "auto"'
+        )
     lark = tool_call_grammar(
         chat_format,
         args.tools,
@@ -238,11 +241,7 @@ def parse_grammar(
         compiler.specials,
     )
     if lark is None:
-        logger.warning(
-            "ToolChoice: the %s format has no call grammar; the reply is left free",
-            chat_format.name,
-        )
-        return None, output
+        return None, output  # no tool has a name
     if chat_format.tools is None and chat_format.channels is None:
         # A model without a call format of its own answers with the call's JSON.
         bare = dataclasses.replace(chat_format, tools=FRAMINGS["llama3_json"])

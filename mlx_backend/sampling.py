@@ -126,7 +126,8 @@ def make_request_processors(
     request: GenerationRequest, eos_token_ids, vocab_size: int
 ) -> tuple[list, GrammarState | None]:
     """The request's logits processors: bias (and banned EOS), penalties, the
-    grammar, then its own extra ones; and the grammar's state."""
+    grammar, its own extra ones, then the grammar's watch over what is left to
+    sample; and the grammar's state."""
     sampling = request.sampling
     logit_bias = sampling.logit_bias
     if request.ignore_eos:
@@ -147,6 +148,8 @@ def make_request_processors(
         )
         processors.append(processor)
     processors.extend(request.processors)
+    if grammar is not None:
+        processors.append(grammar.watch)
     return processors, grammar
 
 

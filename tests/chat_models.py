@@ -137,6 +137,7 @@ TEXT_MARKERS = {
     "</tool_response>",
 }
 TEMPLATES = Path(__file__).parent / "chat_templates"
+GEMMA_QUOTE = '<|"|>'
 # The calls every family's reply makes (a family that calls one tool per turn
 # makes the first), and their arguments as the model writes them.
 PARIS = ("get_weather", '{"city": "Paris", "days": 2}')
@@ -163,6 +164,9 @@ class Family:
     replies: tuple[FamilyReply, ...]
     bos: str = ""
     eos: str = ""
+    # How the template writes the call's "Paris" back into a prompt (None: it
+    # drops calls).
+    rendered_argument: str | None = '"Paris"'
 
 
 def _json_call(name_key: str, args_key: str, call: tuple[str, str]) -> str:
@@ -390,6 +394,7 @@ FAMILIES = {
             ),
         ),
         eos="<|end|>",
+        rendered_argument=None,
     ),
     "granite_3_3": Family(
         "granite_3_3.jinja",
@@ -405,6 +410,7 @@ FAMILIES = {
             ),
         ),
         eos="<|end_of_text|>",
+        rendered_argument=None,
     ),
     "command_r7b": Family(
         "command_r7b.jinja",
@@ -442,6 +448,159 @@ FAMILIES = {
         ),
         bos="<BOS_TOKEN>",
         eos="<|END_OF_TURN_TOKEN|>",
+    ),
+    "gemma4": Family(
+        "gemma4.jinja",
+        (
+            "<bos>",
+            "<|turn>",
+            "<turn|>",
+            "<|channel>",
+            "<channel|>",
+            "<|think|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            GEMMA_QUOTE,
+        ),
+        "gemma4+<|channel>thought",
+        (
+            FamilyReply(
+                f"<|channel>thought\n{THOUGHT}<channel|><|tool_call>call:get_weather"
+                f"{{city:{GEMMA_QUOTE}Paris{GEMMA_QUOTE},days:2}}<tool_call|>",
+                reasoning=THOUGHT,
+                calls=(PARIS,),
+                kwargs={"enable_thinking": True},
+            ),
+            FamilyReply("It is sunny.", content="It is sunny."),
+        ),
+        bos="<bos>",
+        eos="<turn|>",
+        rendered_argument=f"{GEMMA_QUOTE}Paris{GEMMA_QUOTE}",
+    ),
+    "qwen3_coder": Family(
+        "qwen3_coder.jinja",
+        ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        "qwen3_coder",
+        (
+            FamilyReply(
+                "Let me check.\n\n<tool_call>\n<function=get_weather>\n"
+                "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+                "</parameter>\n</function>\n</tool_call>",
+                content="Let me check.\n\n",
+                calls=(PARIS,),
+            ),
+        ),
+        eos="<|im_end|>",
+        rendered_argument="\nParis\n",
+    ),
+    "glm4_7": Family(
+        "glm4_7.jinja",
+        (
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+        ),
+        "glm47+<think>",
+        (
+            FamilyReply(
+                f"{THOUGHT}</think><tool_call>get_weather<arg_key>city</arg_key>"
+                "<arg_value>Paris</arg_value><arg_key>days</arg_key>"
+                "<arg_value>2</arg_value></tool_call>",
+                reasoning=THOUGHT,
+                calls=(PARIS,),
+            ),
+        ),
+        rendered_argument="<arg_value>Paris</arg_value>",
+    ),
+    "minimax_m2": Family(
+        "minimax_m2.jinja",
+        (
+            "]~!b[",
+            "]~b]",
+            "[e~[",
+            "<think>",
+            "</think>",
+            "<minimax:tool_call>",
+            "</minimax:tool_call>",
+        ),
+        "minimax_m2+<think>",
+        (
+            FamilyReply(
+                f"{THOUGHT}\n</think>\n\n\n<minimax:tool_call>\n"
+                '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>'
+                '\n<parameter name="days">2</parameter>\n</invoke>\n'
+                "</minimax:tool_call>",
+                reasoning=f"{THOUGHT}\n",
+                calls=(PARIS,),
+            ),
+        ),
+        eos="[e~[",
+        rendered_argument=">Paris</parameter>",
+    ),
+    "kimi_k2": Family(
+        "kimi_k2.jinja",
+        (
+            "<|im_system|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_middle|>",
+            "<think>",
+            "</think>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
+        "kimi_k2+<think>",
+        (
+            FamilyReply(
+                f"<think>{THOUGHT}</think><|tool_calls_section_begin|>"
+                "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                f"{PARIS[1]}<|tool_call_end|><|tool_calls_section_end|>",
+                reasoning=THOUGHT,
+                calls=(PARIS,),
+            ),
+        ),
+        eos="<|im_end|>",
+    ),
+    "lfm2": Family(
+        "lfm2.jinja",
+        (
+            "<|startoftext|>",
+            "<|tool_list_start|>",
+            "<|tool_list_end|>",
+            "<|tool_call_start|>",
+            "<|tool_call_end|>",
+            "<|tool_response_start|>",
+            "<|tool_response_end|>",
+        ),
+        "pythonic",
+        (
+            FamilyReply(
+                '<|tool_call_start|>[get_weather(city="Paris", days=2)]'
+                "<|tool_call_end|>",
+                calls=(PARIS,),
+            ),
+        ),
+        bos="<|startoftext|>",
+        eos="<|im_end|>",
+        rendered_argument=None,
     ),
 }
 

@@ -1,47 +1,127 @@
 """Grammars that follow a chat format: free reasoning before a constrained answer,
-and a call of the offered tools in the family's own framing (ToolChoice
+and calls of the offered tools in the family's own framing (ToolChoice
 "required" or a named function).
 
-Both are llguidance Lark. A marker that is a special token of the model is named
-by its id (``<[200005]>``); any other is quoted text.
+Both are llguidance Lark, derived from the format's own description (its
+``Reasoning``, ``Channels`` and ``ToolFraming``). A marker's special tokens are
+named by id (``<[200005]>``), the rest of it is quoted text. A call's arguments
+hold the keys the tool declares and no other (``schemas.strict_schema``).
 """
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
-from mlx_backend.formats.base import Channels, ChatFormat, tool_names
+from mlx_backend.formats.base import Channels, ChatFormat, ToolFraming, tool_names
 from mlx_backend.formats.registry import (
     DEEPSEEK_SECTION,
     DEEPSEEK_SEPARATOR,
     MISTRAL_SEPARATOR,
 )
+from mlx_backend.schemas import strict_schema
 
 # The rule a reasoning grammar hands the answer to: the request's own grammar.
 ANSWER = "answer"
+# Whitespace between a format's markers and what they hold: a few characters.
+GAP = r"/[ \t\r\n]{0,4}/"
+# Gemma 4's string delimiter.
+GEMMA_QUOTE = '<|"|>'
 
 
-def _literal(text: str, specials: Mapping[str, int]) -> str:
-    return f"<[{specials[text]}]>" if text in specials else json.dumps(text)
+class Lark:
+    """One grammar's rules as they are made: markers, free text up to a marker,
+    JSON values; each helper returns the expression that matches it."""
+
+    def __init__(self, specials: Mapping[str, int]):
+        self.specials = specials
+        self.rules: dict[str, str] = {}
+        self._free: dict[str, str] = {}
+
+    def rule(self, kind: str, body: str) -> str:
+        name = f"{kind}{len(self.rules)}"
+        self.rules[name] = body
+        return name
+
+    def marker(self, text: str) -> str:
+        if not text:
+            return '""'
+        pieces = [
+            f"<[{self.specials[p]}]>" if special else json.dumps(p)
+            for p, special in _pieces(text, self.specials)
+        ]
+        return pieces[0] if len(pieces) == 1 else f"({' '.join(pieces)})"
+
+    def text_until(self, end: str) -> str:
+        """Any text, then ``end``: special tokens never occur in text, so the
+        text stops at one; a text marker stops it explicitly."""
+        if end not in self._free:
+            pieces = _pieces(end, self.specials)
+            if pieces[0][1]:
+                self.rules.setdefault("TEXT", "/(?s:.*)/")
+                self._free[end] = f"TEXT {self.marker(end)}"
+            else:
+                stop = pieces[0][0]
+                name = f"free{len(self.rules)}"
+                self.rules[f"{name}[stop={json.dumps(stop)}]"] = "/(?s:.*)/"
+                rest = end[len(stop) :]
+                self._free[end] = name + (f" {self.marker(rest)}" if rest else "")
+        return self._free[end]
+
+    def json(self, schema: dict) -> str:
+        return self.rule("json", f"%json {json.dumps(strict_schema(schema))}")
+
+    def render(self, start: str) -> str:
+        lines = [f"start: {start}"]
+        lines += [f"{name}: {body}" for name, body in self.rules.items()]
+        return "\n".join(lines) + "\n"
 
 
-def _thinking(end: str, specials: Mapping[str, int]) -> tuple[str, str]:
-    """A free text up to ``end``, and its rule: special tokens never occur in text,
-    so a greedy one stops there; a text marker stops it explicitly."""
-    if end in specials:
-        return f"THINK {_literal(end, specials)}", "THINK: /(?s:.*)/\n"
-    return "think", f"think[stop={json.dumps(end)}]: /(?s:.*)/\n"
+def _pieces(text: str, specials: Mapping[str, int]) -> list[tuple[str, bool]]:
+    """``text`` split into special tokens (longest first) and the text between."""
+    inside = sorted((s for s in specials if s and s in text), key=len, reverse=True)
+    pieces, plain, at = [], 0, 0
+    while at < len(text):
+        hit = next((s for s in inside if text.startswith(s, at)), None)
+        if hit is None:
+            at += 1
+            continue
+        if plain < at:
+            pieces.append((text[plain:at], False))
+        pieces.append((hit, True))
+        at = plain = at + len(hit)
+    if plain < len(text):
+        pieces.append((text[plain:], False))
+    return pieces
 
 
-def _analysis(channels: Channels, specials: Mapping[str, int]) -> tuple[str, str]:
-    """Harmony's analysis message up to the next assistant header, and its rules."""
-    lit = lambda text: _literal(text, specials)  # noqa: E731
-    think, rules = _thinking(channels.ends[0], specials)
-    analysis = (
-        f'{lit(channels.channel)} "analysis" {lit(channels.message)} {think} '
-        f'{lit(channels.starts[0])} "assistant"'
+def _analysis(lark: Lark, channels: Channels) -> str:
+    """Harmony's analysis message up to the next assistant header."""
+    m = lark.marker
+    return (
+        f'{m(channels.channel)} "analysis" {m(channels.message)} '
+        f'{lark.text_until(channels.ends[0])} {m(channels.starts[0])} "assistant"'
     )
-    return analysis, rules
+
+
+def _reasoning(lark: Lark, chat_format: ChatFormat, start: str) -> str | None:
+    """The reasoning a reply may open with (optional) or must finish, then the
+    answer; None when the format has no reasoning or the reply can't start it
+    (``start`` "answer": the prompt closed it)."""
+    if start == "answer":
+        return None
+    channels = chat_format.channels
+    if channels is not None:
+        if start != "header":
+            return None
+        m = lark.marker
+        final = f'{m(channels.channel)} "final" {m(channels.message)}'
+        return f"({_analysis(lark, channels)})? {final}"
+    reasoning = chat_format.reasoning
+    if reasoning is None:
+        return None
+    think = f"{lark.text_until(reasoning.end)} {GAP}"
+    if start == "reasoning":
+        return think
+    return f"({lark.marker(reasoning.start)} {think})?"
 
 
 def reasoning_prefix(
@@ -49,22 +129,9 @@ def reasoning_prefix(
 ) -> str:
     """Lark rules for a reply that may reason freely, then ``@answer``; "" when the
     format has no reasoning or the reply can't start it."""
-    lit = lambda text: _literal(text, specials)  # noqa: E731
-    channels = chat_format.channels
-    if channels is not None:
-        if start != "header":
-            return ""
-        analysis, rules = _analysis(channels, specials)
-        final = f'{lit(channels.channel)} "final" {lit(channels.message)}'
-        return f"start: ({analysis})? {final} @{ANSWER}\n{rules}"
-    reasoning = chat_format.reasoning
-    if reasoning is None:
-        return ""
-    think, rules = _thinking(reasoning.end, specials)
-    gap = r"/[ \t\n]*/"
-    if start == "reasoning":
-        return f"start: {think} {gap} @{ANSWER}\n{rules}"
-    return f"start: ({lit(reasoning.start)} {think} {gap})? @{ANSWER}\n{rules}"
+    lark = Lark(specials)
+    head = _reasoning(lark, chat_format, start)
+    return "" if head is None else lark.render(f"{head} @{ANSWER}")
 
 
 def _parameters(tool: dict) -> dict:
@@ -83,48 +150,276 @@ def _chosen(tools: list, name: str | None) -> list[tuple[str, dict]]:
     return chosen
 
 
-@dataclass(frozen=True)
-class JsonCalls:
-    """How a framing writes a call as a JSON object, for its grammar."""
-
-    name_key: str = "name"
-    args_key: str = "arguments"
-    # Between the framing's markers (else the reply is the bare object), in a list.
-    marked: bool = False
-    listed: bool = False
-    padding: str = ""  # between a marker and the call
-    # The call carries its id (Command's tool_call_id).
-    with_id: bool = False
+# How a framing writes one call: (grammar, framing, (name, schema) each) -> Lark.
+CallSyntax = Callable[[Lark, ToolFraming | None, list[tuple[str, dict]]], str]
 
 
-# By framing name; None: a model without a call format answers with bare JSON.
-JSON_CALLS = {
-    None: JsonCalls(),
-    "json": JsonCalls(marked=True, padding="\n"),
-    "llama3_json": JsonCalls(args_key="parameters"),
-    "phi4_mini": JsonCalls(marked=True, listed=True),
-    "granite": JsonCalls(marked=True, listed=True),
-    "command": JsonCalls(
+def _json_calls(
+    name_key: str = "name",
+    args_key: str = "arguments",
+    marked: bool = False,
+    listed: bool = False,
+    padding: str = "",
+    with_id: bool = False,
+) -> CallSyntax:
+    """A call as one JSON object, bare or between the framing's markers (with
+    ``padding`` inside them), alone or in a list; ``with_id``: Command's id."""
+
+    def syntax(lark, framing, chosen):
+        extra = {"tool_call_id": {"type": "string"}} if with_id else {}
+        variants = [
+            {
+                "type": "object",
+                "properties": {**extra, name_key: {"const": name}, args_key: schema},
+                "required": [*extra, name_key, args_key],
+            }
+            for name, schema in chosen
+        ]
+        call = lark.json(variants[0] if len(variants) == 1 else {"anyOf": variants})
+        parts = [call]
+        if listed:
+            parts = ['"["', *parts, '"]"']
+        if padding:
+            parts = [json.dumps(padding), *parts, json.dumps(padding)]
+        if marked:
+            parts = [lark.marker(framing.start), *parts]
+            parts += [lark.marker(framing.end)] if framing.end else []
+        return " ".join(parts)
+
+    return syntax
+
+
+def _named_calls(separator: str, section: tuple[str, str] | None = None) -> CallSyntax:
+    """Mistral's and DeepSeek V3.1's: the markers, the name, a separator, then the
+    arguments' JSON."""
+
+    def syntax(lark, framing, chosen):
+        sep = lark.marker(separator)
+        calls = " | ".join(
+            f"{json.dumps(name)} {sep} {lark.json(schema)}" for name, schema in chosen
+        )
+        body = f"{lark.marker(framing.start)} ({calls})"
+        if framing.end:
+            body += f" {lark.marker(framing.end)}"
+        if section:
+            body = f"{lark.marker(section[0])} {body} {lark.marker(section[1])}"
+        return body
+
+    return syntax
+
+
+def _members(lark: Lark, schema: dict, pair: Callable, sep: str) -> str:
+    """The declared keys of an arguments object in their order, each written by
+    ``pair(key, schema)``, every required one present, ``sep`` between two."""
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or not properties:
+        return '""'
+    required = set(schema.get("required") or ())
+    keys = list(properties)
+    # first[i] / later[i]: keys i.. when none / some came before.
+    first, later = ['""'] * (len(keys) + 1), ['""'] * (len(keys) + 1)
+    for i in range(len(keys) - 1, -1, -1):
+        item = pair(keys[i], properties[keys[i]])
+        with_it = lark.rule("arg", item)
+        options_first = [f"{with_it} {later[i + 1]}"]
+        options_later = [f"{sep} {with_it} {later[i + 1]}"]
+        if keys[i] not in required:
+            options_first.append(first[i + 1])
+            options_later.append(later[i + 1])
+        first[i] = lark.rule("args", " | ".join(options_first))
+        later[i] = lark.rule("args", " | ".join(options_later))
+    return first[0]
+
+
+def _pythonic(lark, framing, chosen) -> str:
+    """A Python list of calls, ``[get_weather(city="Paris")]``: bare where a
+    reply may open with it (Llama 4), else in the framing's markers (LFM2). The
+    values are JSON literals, which the readers take (true, null)."""
+
+    def pair(key, schema):
+        return f'{json.dumps(key + "=")} {lark.json(schema)}'
+
+    call = lark.rule(
+        "call",
+        " | ".join(
+            f'{json.dumps(name + "(")} {_members(lark, schema, pair, "/, ?/")} ")"'
+            for name, schema in chosen
+        ),
+    )
+    body = f'"[" {call} (/, ?/ {call})* "]"'
+    if "[" not in framing.reply_opens:
+        body = f"{lark.marker(framing.start)} {body} {lark.marker(framing.end)}"
+    return body
+
+
+def _is_text(schema: dict) -> bool:
+    """A string-typed value, which XML framings write as raw text."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = kind[0] if len(kind) == 1 else None
+    if kind is None and "enum" in schema:
+        return all(isinstance(v, str) for v in schema["enum"])
+    return kind == "string"
+
+
+def _xml_value(lark: Lark, schema: dict, close: str) -> str:
+    """A value then ``close``: raw text for strings, JSON for any other type."""
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if _is_text(schema):
+        if choices:
+            words = " | ".join(json.dumps(v) for v in choices)
+            return f"({words}) {lark.marker(close)}"
+        return lark.text_until(close)
+    return f"{lark.json(schema)} {lark.marker(close)}"
+
+
+def _xml_calls(head: str, pair: str, tail: str, sep: str = "") -> CallSyntax:
+    """XML framings: ``head`` and ``tail`` around one call, each argument as
+    ``pair`` (``{key}`` and ``{value}`` filled in), ``{name}`` the tool's."""
+
+    def syntax(lark, framing, chosen):
+        m = lark.marker
+
+        def write(key, schema):
+            before, after = pair.split("{value}")
+            return (
+                f"{m(before.replace('{key}', key))} {_xml_value(lark, schema, after)}"
+            )
+
+        calls = []
+        for name, schema in chosen:
+            members = _members(lark, schema, write, m(sep))
+            calls.append(f"{m(head.replace('{name}', name))} {members} {m(tail)}")
+        start = lark.marker(framing.start)
+        return f"{start} ({' | '.join(calls)}) {lark.marker(framing.end)}"
+
+    return syntax
+
+
+def _kimi(lark, framing, chosen) -> str:
+    """Kimi K2: ``functions.NAME:0`` then the arguments' JSON, in call markers."""
+    m = lark.marker
+    calls = " | ".join(
+        f'{json.dumps("functions." + name + ":")} /[0-9]{{1,3}}/ '
+        f"{m('<|tool_call_argument_begin|>')} {lark.json(schema)}"
+        for name, schema in chosen
+    )
+    call = f"{m('<|tool_call_begin|>')} ({calls}) {m('<|tool_call_end|>')}"
+    return f"{m(framing.start)} {call} {m(framing.end)}"
+
+
+def _gemma_value(lark: Lark, schema) -> str:
+    """A value as Gemma 4 writes it: strings in ``<|"|>``, bare keys."""
+    quote = lark.marker(GEMMA_QUOTE)
+    if not isinstance(schema, dict):
+        schema = {}
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices:
+        return "(" + " | ".join(_gemma_literal(lark, v) for v in choices) + ")"
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(options, list) and options:
+        return "(" + " | ".join(_gemma_value(lark, o) for o in options) + ")"
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return (
+            "("
+            + " | ".join(_gemma_value(lark, {**schema, "type": k}) for k in kind)
+            + ")"
+        )
+    if kind == "string":
+        return f"{quote} {lark.text_until(GEMMA_QUOTE)}"
+    if kind in ("integer", "number"):
+        return lark.json(schema)
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "null":
+        return '"null"'
+    if kind == "array":
+        item = lark.rule("item", _gemma_value(lark, schema.get("items", {})))
+        return f'"[" ({item} ("," {item})*)? "]"'
+    if kind == "object" and schema.get("properties"):
+
+        def pair(key, value):
+            return f"{json.dumps(key + ':')} {_gemma_value(lark, value)}"
+
+        return f'"{{" {_members(lark, schema, pair, json.dumps(","))} "}}"'
+    _gemma_any(lark)
+    return "gemma_object" if kind == "object" else "gemma_any"
+
+
+def _gemma_literal(lark: Lark, value) -> str:
+    if isinstance(value, str):
+        quote = lark.marker(GEMMA_QUOTE)
+        return f"{quote} {json.dumps(value)} {quote}"
+    return json.dumps(json.dumps(value))
+
+
+def _gemma_any(lark: Lark) -> None:
+    """Rules for any value, and any object, as Gemma 4 writes them."""
+    if "gemma_any" in lark.rules:
+        return
+    quote = lark.marker(GEMMA_QUOTE)
+    key = '/[A-Za-z_][A-Za-z0-9_]*/ ":" gemma_any'
+    lark.rules["gemma_object"] = f'"{{" ({key} ("," {key})*)? "}}"'
+    lark.rules["gemma_any"] = " | ".join(
+        [
+            f"{quote} {lark.text_until(GEMMA_QUOTE)}",
+            lark.json({"type": "number"}),
+            '"true" | "false" | "null"',
+            '"[" (gemma_any ("," gemma_any)*)? "]"',
+            "gemma_object",
+        ]
+    )
+
+
+def _gemma(lark, framing, chosen) -> str:
+    """Gemma 4: ``call:NAME{key:value,...}`` in its call markers."""
+    calls = " | ".join(
+        f'{json.dumps("call:" + name)} {_gemma_value(lark, {**schema, "type": "object"})}'
+        for name, schema in chosen
+    )
+    return f"{lark.marker(framing.start)} ({calls}) {lark.marker(framing.end)}"
+
+
+# By framing name (None: a model without a call format answers with bare JSON).
+CALL_SYNTAX: dict[str | None, CallSyntax] = {
+    None: _json_calls(),
+    "json": _json_calls(marked=True, padding="\n"),
+    "llama3_json": _json_calls(args_key="parameters"),
+    "phi4_mini": _json_calls(marked=True, listed=True),
+    "granite": _json_calls(marked=True, listed=True),
+    "command": _json_calls(
         "tool_name", "parameters", marked=True, listed=True, with_id=True
     ),
+    "mistral": _named_calls(MISTRAL_SEPARATOR),
+    "deepseek_v31": _named_calls(DEEPSEEK_SEPARATOR, DEEPSEEK_SECTION),
+    "llama4": _pythonic,
+    "pythonic": _pythonic,
+    "qwen3_coder": _xml_calls(
+        "\n<function={name}>\n",
+        "<parameter={key}>\n{value}\n</parameter>\n",
+        "</function>\n",
+    ),
+    "glm47": _xml_calls(
+        "{name}", "<arg_key>{key}</arg_key><arg_value>{value}</arg_value>", ""
+    ),
+    "minimax_m2": _xml_calls(
+        '\n<invoke name="{name}">\n',
+        '<parameter name="{key}">{value}</parameter>\n',
+        "</invoke>\n",
+    ),
+    "kimi_k2": _kimi,
+    "gemma4": _gemma,
 }
+CALL_SYNTAX["laguna"] = CALL_SYNTAX["glm47"]
 
 
-def _call_object(chosen, name_key: str, args_key: str, extra: dict | None = None):
-    variants = [
-        {
-            "type": "object",
-            "properties": {
-                **(extra or {}),
-                name_key: {"const": name},
-                args_key: schema,
-            },
-            "required": [*(extra or {}), name_key, args_key],
-            "additionalProperties": False,
-        }
-        for name, schema in chosen
-    ]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+def has_call_grammar(chat_format: ChatFormat) -> bool:
+    """Whether a forced call ("required", a named function) can be constrained."""
+    if chat_format.channels is not None:
+        return True
+    framing = chat_format.tools
+    return (framing.name if framing else None) in CALL_SYNTAX
 
 
 def tool_call_grammar(
@@ -134,65 +429,26 @@ def tool_call_grammar(
     start: str,
     specials: Mapping[str, int],
 ) -> str | None:
-    """A Lark grammar for one call of ``tools`` (of ``name`` alone, if given) in the
+    """A Lark grammar for a call of ``tools`` (of ``name`` alone, if given) in the
     format's framing, after any reasoning; None where the framing has no grammar
-    here (Python lists, XML), so the reply is left free."""
-    lit = lambda text: _literal(text, specials)  # noqa: E731
+    (``has_call_grammar``) or no tool is named."""
     chosen = _chosen(tools, name)
-    if not chosen:
+    if not chosen or not has_call_grammar(chat_format):
         return None
-    framing = chat_format.tools
+    lark = Lark(specials)
     channels = chat_format.channels
     if channels is not None:
-        analysis, rules = _analysis(channels, specials)
+        m = lark.marker
         calls = " | ".join(
-            f'{json.dumps(tool + " ")} {lit(channels.constrain)} "json" '
-            f"{lit(channels.message)} args{i}"
-            for i, (tool, _) in enumerate(chosen)
+            f'{json.dumps(tool + " ")} {m(channels.constrain)} "json" '
+            f"{m(channels.message)} {lark.json(schema)}"
+            for tool, schema in chosen
         )
-        head = f'{lit(channels.channel)} "commentary to=functions."'
-        body = f"start: ({analysis})? {head} ({calls})\n{rules}"
-        return body + _argument_rules(chosen)
-    kind = framing.name if framing else None
-    if kind in ("mistral", "deepseek_v31"):
-        separator = MISTRAL_SEPARATOR if kind == "mistral" else DEEPSEEK_SEPARATOR
-        calls = " | ".join(
-            f"{json.dumps(tool)} {lit(separator)} args{i}"
-            for i, (tool, _) in enumerate(chosen)
-        )
-        body = f"{lit(framing.start)} ({calls})"
-        if framing.end:
-            body += f" {lit(framing.end)}"
-        if kind == "deepseek_v31":
-            body = f"{lit(DEEPSEEK_SECTION[0])} {body} {lit(DEEPSEEK_SECTION[1])}"
-        call = f"{ANSWER}: {body}\n" + _argument_rules(chosen)
-    elif kind in JSON_CALLS:
-        shape = JSON_CALLS[kind]
-        extra = {"tool_call_id": {"type": "string"}} if shape.with_id else None
-        schema = _call_object(chosen, shape.name_key, shape.args_key, extra)
-        parts = ["call"]
-        if shape.listed:
-            parts = ['"["', *parts, '"]"']
-        if shape.padding:
-            parts = [json.dumps(shape.padding), *parts, json.dumps(shape.padding)]
-        if shape.marked:
-            parts = [lit(framing.start), *parts] + (
-                [lit(framing.end)] if framing.end else []
-            )
-        call = f"{ANSWER}: {' '.join(parts)}\ncall: %json {json.dumps(schema)}\n"
-    else:
-        return None
-    # A reply that starts in content is the call; one the prompt opened in
-    # reasoning finishes it first.
-    prefix = (
-        reasoning_prefix(chat_format, start, specials) if start != "content" else ""
-    )
-    if not prefix:
-        return call.replace(f"{ANSWER}:", "start:", 1)
-    return prefix.replace(f"@{ANSWER}", ANSWER) + call
-
-
-def _argument_rules(chosen) -> str:
-    return "".join(
-        f"args{i}: %json {json.dumps(schema)}\n" for i, (_, schema) in enumerate(chosen)
-    )
+        head = f'{m(channels.channel)} "commentary to=functions."'
+        return lark.render(f"({_analysis(lark, channels)})? {head} ({calls})")
+    framing = chat_format.tools
+    call = CALL_SYNTAX[framing.name if framing else None](lark, framing, chosen)
+    # A reasoning model may think first; one the prompt opened in reasoning
+    # finishes it first.
+    head = _reasoning(lark, chat_format, start)
+    return lark.render(call if head is None else f"{head} {call}")

@@ -18,6 +18,7 @@ from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.cpu.kernels import use_kernels
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.formats.base import ChatFormat
+from mlx_backend.formats.grammars import has_call_grammar
 from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.grammar import GrammarCompiler
 from mlx_backend.models.checks import (
@@ -392,6 +393,12 @@ def prepare_model(
     for token in chat_format.end_tokens:
         loaded.tokenizer.add_eos_token(token)
     logger.info("chat format: %s", chat_format.description)
+    if not has_call_grammar(chat_format):
+        logger.warning(
+            'tool calls %s have no grammar here: ToolChoice "required" or a named '
+            "function is refused (FAILED_PRECONDITION)",
+            chat_format.tools.name,
+        )
     token_bytes = make_token_bytes(loaded.tokenizer)
     info = ModelInfo(
         name=identity,

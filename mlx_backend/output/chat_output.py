@@ -7,6 +7,7 @@ every decoded piece. mlx-lm's ``TextStateMachine`` finds the markers and holds b
 text that may still turn out to be one, so half a marker never reaches the reply.
 """
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterable
@@ -97,6 +98,8 @@ class ReplyStart:
 
     state: str = "content"
     header: tuple[tuple[str, str], ...] = ()
+    # The prompt closed the reasoning itself (thinking off): the reply is the answer.
+    reasoned: bool = False
 
 
 @dataclass(frozen=True)
@@ -380,4 +383,8 @@ def find_reply_start(chat_format: ChatFormat, prompt_tail: str) -> ReplyStart:
     in a harmony header, or (anything else) in content."""
     parser = OutputParser(chat_format, (), OutputOptions(classify=True))
     parser.feed(prompt_tail)
-    return parser.reply_start()
+    start = parser.reply_start()
+    reasoning = chat_format.reasoning
+    if reasoning and prompt_tail.rstrip().endswith(reasoning.end.rstrip()):
+        return dataclasses.replace(start, reasoned=True)
+    return start

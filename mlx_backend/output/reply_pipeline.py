@@ -87,6 +87,9 @@ class ReplyPipeline:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         grammar = self._grammar
+        if grammar is not None and grammar.seen <= self.generated:
+            # The last token allowed: no processor call comes after it.
+            grammar.see(token)
         if grammar is not None and grammar.error is not None:
             raise InvalidArgument(
                 f"Grammar: generation stopped after {self.generated} tokens: "

@@ -86,29 +86,96 @@ def test_a_schema_constrains_the_answer_after_free_reasoning(server, folders):
     assert json.loads(content)["city"] in ("Paris", "Lyon")
 
 
-def is_weather_call(name: str, arguments: str) -> bool:
+def test_gemma4_keeps_its_channel_reasoning_under_a_schema(server, folders):
+    load(server, str(folders["gemma4"]))
+    tokenizer = load_tokenizer(folders["gemma4"])
+    thought = "<|channel>thought\nSimple question.<channel|>"
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+        "required": ["city"],
+    }
+    request = chat(
+        Grammar=json.dumps(schema),
+        Tokens=40,
+        Metadata={
+            "forced_prefix": json.dumps(
+                tokenizer.encode(thought, add_special_tokens=False)
+            ),
+            "enable_thinking": "true",
+        },
+    )
+    unary = merged(server.stub.Predict(request).chat_deltas)
+    streamed = merged(
+        [d for r in server.stub.PredictStream(request) for d in r.chat_deltas]
+    )
+    assert unary == streamed
+    content, reasoning, calls = unary
+    assert reasoning == "Simple question." and not calls
+    assert json.loads(content) in ({"city": "Paris"}, {"city": "Lyon"})
+
+
+# Two tools of different shapes, as a client declares them: no bounds, and no
+# additionalProperties (so no key but theirs).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+EMAIL = {
+    "type": "function",
+    "function": {
+        "name": "send_email",
+        "description": "Send an email",
+        "parameters": {
+            "type": "object",
+            "properties": {"to": {"type": "string"}, "urgent": {"type": "boolean"}},
+            "required": ["to", "urgent"],
+        },
+    },
+}
+SHAPES = {"get_weather": {"city": str}, "send_email": {"to": str, "urgent": bool}}
+
+
+def fits_its_function(name: str, arguments: str) -> bool:
     args = json.loads(arguments)
-    return (
-        name == "get_weather"
-        and isinstance(args.get("city"), str)
-        and set(args) <= {"city", "days"}
-        and len(args["city"]) <= 24
-        and 1 <= args.get("days", 1) <= 14
+    shape = SHAPES[name]
+    return set(args) == set(shape) and all(
+        isinstance(args[key], kind) for key, kind in shape.items()
     )
 
 
-@pytest.mark.parametrize("model", ["json", "default"])
-def test_required_tool_choice_gives_valid_calls_for_20_seeds(server, folders, model):
-    # The Qwen-style template frames calls in <tool_call>; the plain default model
-    # has no call format, and answers with the call's JSON.
+@pytest.mark.parametrize(
+    "model, choice",
+    [
+        ("default", '"required"'),
+        ("json", json.dumps({"type": "function", "function": {"name": "send_email"}})),
+    ],
+    ids=["required-bare-json", "named-tool-call-tags"],
+)
+def test_forced_calls_close_and_fit_their_function_for_20_seeds(
+    server, folders, model, choice
+):
+    # The plain default model has no call format and answers with the call's
+    # JSON; the Qwen-style template frames calls in <tool_call>. The prompt asks
+    # for no tool, and sampling at temperature 1 wanders.
     load(server, str(folders[model]) if model != "default" else "default")
     requests = [
-        chat(
-            Tools=json.dumps([STRICT_WEATHER]),
-            ToolChoice='"required"',
+        pb.PredictOptions(
+            UseTokenizerTemplate=True,
+            Messages=[pb.Message(role="user", content="Tell me a joke about cats.")],
+            Tools=json.dumps([WEATHER, EMAIL]),
+            ToolChoice=choice,
             Temperature=1.0,
             Seed=seed,
-            Tokens=120,
+            Tokens=80,
             Metadata={"enable_thinking": "false"},
         )
         for seed in range(20)
@@ -116,10 +183,32 @@ def test_required_tool_choice_gives_valid_calls_for_20_seeds(server, folders, mo
     replies = run_concurrently([lambda r=r: server.stub.Predict(r) for r in requests])
     for reply in replies:
         content, _, calls = merged(reply.chat_deltas)
-        assert calls and all(is_weather_call(*call) for call in calls), (
+        assert calls and all(fits_its_function(*call) for call in calls), (
             content,
             calls,
         )
+        if choice != '"required"':
+            assert {name for name, _ in calls} == {"send_email"}
+
+
+def test_a_call_format_without_a_grammar_refuses_a_forced_call(server, folders):
+    import grpc
+
+    options = pb.ModelOptions(
+        Model=str(folders["json"]), Options=["tool_parser:function_gemma"]
+    )
+    assert server.stub.LoadModel(options).success
+    server.test_model = None
+    request = chat(Tools=json.dumps([WEATHER]), ToolChoice='"required"')
+    with pytest.raises(grpc.RpcError) as error:
+        server.stub.Predict(request)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.value.details().startswith(
+        "ToolChoice: this model's tool calls (function_gemma) have no grammar here"
+    )
+    # "auto" constrains nothing and is served.
+    auto = chat(Tools=json.dumps([WEATHER]), ToolChoice='"auto"', Tokens=8)
+    assert server.stub.Predict(auto).tokens > 0
 
 
 def test_a_named_tool_choice_calls_that_tool(server, folders):

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 import backend_pb2 as pb
+from mlx_backend.output.detokenizer import make_token_bytes
 from tests.support import (
     ANSWER,
     MODEL,
@@ -30,6 +31,7 @@ SHOPPING = re.compile(
 )
 
 YES_NO = 'root ::= "The answer is " ("yes" | "no") "."'
+QUESTION_YES = "Is Paris in France? Answer yes or no."
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,42 @@ def test_a_dead_end_ends_the_request_with_an_error(server):
         assert "Grammar: generation stopped after 0 tokens" in error.details()
         assert "breaks the grammar" in error.details()
     assert server.stub.Predict(chat()).message.decode() == ANSWER
+
+
+def test_a_step_with_every_allowed_token_masked_is_an_error_not_token_0(
+    server, tokenizer
+):
+    # LogitBias -1e39 is finite, but -inf in float32: it masks every token the
+    # grammar allows first (those that spell a start of "The answer is ...").
+    # Sampling that row would give token 0 and go on; the request ends with
+    # INVALID_ARGUMENT instead, alone or in a batch, greedy or sampled, and the
+    # server keeps serving.
+    table = make_token_bytes(tokenizer).table
+    firsts = [
+        t for t, piece in enumerate(table) if piece and b"The a".startswith(piece)
+    ]
+    bias = json.dumps({str(t): -1e39 for t in firsts})
+    masked = [
+        grammar_chat(QUESTION_YES, YES_NO, LogitBias=bias),
+        chat(QUESTION_YES, Grammar=YES_NO, LogitBias=bias),
+    ]
+    expected = (
+        "Grammar: generation stopped after 0 tokens: no token was left to sample: "
+        "the other logits processors masked every token the grammar allows"
+    )
+    for request in masked:
+        for call in (server.stub.Predict, server.stub.PredictStream):
+            error = error_of(call, request)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.details() == expected
+    # In a batch beside a plain request, which is served as alone.
+    outcomes = run_concurrently(
+        [
+            lambda: error_of(server.stub.Predict, masked[0]),
+            lambda: server.stub.Predict(chat()).message.decode(),
+        ]
+    )
+    assert outcomes[0].details() == expected and outcomes[1] == ANSWER
 
 
 def test_grammar_requests_inside_a_batch(server):
