@@ -11,13 +11,15 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 
+import mlx.core as mx
 import pytest
 
 from mlx_backend.decoders.base import KVState
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.single import SingleDecoder
-from mlx_backend.errors import Aborted, FailedPrecondition
+from mlx_backend.errors import Aborted, FailedPrecondition, InvalidArgument
 from mlx_backend.output.reply_pipeline import Finished, Output
 from mlx_backend.request_parsing import GenerationRequest, SamplingParams
 from tests.engine_helpers import (
@@ -128,6 +130,41 @@ def test_grammar_on_either_decoder(engine):
     ]
     for events in run(engine, *requests):
         check_person(text_of(events))
+
+
+def mask_all_from(step: int):
+    """A processor that, from its ``step``-th call on, leaves no finite logit: as
+    a LogitBias of -1e39 (-inf in float32) on every token a grammar allows."""
+    calls = 0
+
+    def mask(tokens: mx.array, logits: mx.array) -> mx.array:
+        nonlocal calls
+        calls += 1
+        return logits if calls <= step else mx.full(logits.shape, -mx.inf)
+
+    return mask
+
+
+@pytest.mark.parametrize("step, limit", [(0, 32), (3, 32), (3, 4)])
+def test_a_step_left_with_nothing_to_sample_ends_the_request(engine, step, limit):
+    # Sampling a row of -inf gives token 0 ("<|endoftext|>" here, "!" in GPT-2
+    # style vocabularies) and would go on; the request ends at that token with
+    # INVALID_ARGUMENT, also when it is the last one allowed (no processor call
+    # comes after it), and the sequence beside it is served as alone.
+    grammar = engine.info.grammars.compile("root ::= [a-z ,.]+")
+    masked = generation(
+        engine, grammar=grammar, processors=(mask_all_from(step),), max_tokens=limit
+    )
+    events, plain = run(engine, masked, generation(engine))
+    error = events[-1]
+    assert isinstance(error, InvalidArgument)
+    assert str(error) == (
+        f"Grammar: generation stopped after {step} tokens: no token was left to "
+        "sample: the other logits processors masked every token the grammar allows"
+    )
+    # What went out before fits the grammar.
+    assert re.fullmatch(r"[a-z ,.]*", text_of(events[:-1]))
+    assert text_of(plain) == ANSWER
 
 
 def test_forced_tokens_through_the_request_processors(engine):
