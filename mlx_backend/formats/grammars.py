@@ -25,6 +25,10 @@ ANSWER = "answer"
 GAP = r"/[ \t\r\n]{0,4}/"
 # Gemma 4's string delimiter.
 GEMMA_QUOTE = '<|"|>'
+# Keywords of a schema whose value is no plain string.
+COMPOUND = {"properties", "items", "anyOf", "oneOf", "allOf", "$ref"}
+# Any argument name, where a tool declares none.
+KEY = "/[A-Za-z_][A-Za-z0-9_]*/"
 
 
 class Lark:
@@ -210,10 +214,14 @@ def _named_calls(separator: str, section: tuple[str, str] | None = None) -> Call
 
 def _members(lark: Lark, schema: dict, pair: Callable, sep: str) -> str:
     """The declared keys of an arguments object in their order, each written by
-    ``pair(key, schema)``, every required one present, ``sep`` between two."""
+    ``pair(key, schema)``, every required one present, ``sep`` between two; an
+    object that declares none takes any keys (``pair(KEY, {})``)."""
     properties = schema.get("properties")
     if not isinstance(properties, dict) or not properties:
-        return '""'
+        if schema.get("additionalProperties") is False:
+            return '""'
+        item = lark.rule("arg", pair(KEY, {}))
+        return f"({item} ({sep} {item})*)?"
     required = set(schema.get("required") or ())
     keys = list(properties)
     # first[i] / later[i]: keys i.. when none / some came before.
@@ -231,13 +239,18 @@ def _members(lark: Lark, schema: dict, pair: Callable, sep: str) -> str:
     return first[0]
 
 
+def _key(key: str) -> str:
+    """A declared key as text; ``KEY`` (any name) as itself."""
+    return key if key is KEY else json.dumps(key)
+
+
 def _pythonic(lark, framing, chosen) -> str:
     """A Python list of calls, ``[get_weather(city="Paris")]``: bare where a
     reply may open with it (Llama 4), else in the framing's markers (LFM2). The
     values are JSON literals, which the readers take (true, null)."""
 
     def pair(key, schema):
-        return f'{json.dumps(key + "=")} {lark.json(schema)}'
+        return f'{_key(key)} "=" {lark.json(schema)}'
 
     call = lark.rule(
         "call",
@@ -256,10 +269,13 @@ def _is_text(schema: dict) -> bool:
     """A string-typed value, which XML framings write as raw text."""
     kind = schema.get("type")
     if isinstance(kind, list):
-        kind = kind[0] if len(kind) == 1 else None
+        kind = kind[0] if len(kind) == 1 else "mixed"
     if kind is None and "enum" in schema:
         return all(isinstance(v, str) for v in schema["enum"])
-    return kind == "string"
+    if kind is None and "const" in schema:
+        return isinstance(schema["const"], str)
+    # Untyped values are raw text too, as the readers keep them.
+    return kind == "string" or kind is None and not schema.keys() & COMPOUND
 
 
 def _xml_value(lark: Lark, schema: dict, close: str) -> str:
@@ -282,9 +298,9 @@ def _xml_calls(head: str, pair: str, tail: str, sep: str = "") -> CallSyntax:
 
         def write(key, schema):
             before, after = pair.split("{value}")
-            return (
-                f"{m(before.replace('{key}', key))} {_xml_value(lark, schema, after)}"
-            )
+            opening, closing = before.split("{key}")
+            value = _xml_value(lark, schema, after)
+            return f"{m(opening)} {_key(key)} {m(closing)} {value}"
 
         calls = []
         for name, schema in chosen:
@@ -337,14 +353,14 @@ def _gemma_value(lark: Lark, schema) -> str:
     if kind == "array":
         item = lark.rule("item", _gemma_value(lark, schema.get("items", {})))
         return f'"[" ({item} ("," {item})*)? "]"'
-    if kind == "object" and schema.get("properties"):
+    if kind == "object" or kind is None and "properties" in schema:
 
         def pair(key, value):
-            return f"{json.dumps(key + ':')} {_gemma_value(lark, value)}"
+            return f'{_key(key)} ":" {_gemma_value(lark, value)}'
 
         return f'"{{" {_members(lark, schema, pair, json.dumps(","))} "}}"'
     _gemma_any(lark)
-    return "gemma_object" if kind == "object" else "gemma_any"
+    return "gemma_any"
 
 
 def _gemma_literal(lark: Lark, value) -> str:
@@ -359,7 +375,7 @@ def _gemma_any(lark: Lark) -> None:
     if "gemma_any" in lark.rules:
         return
     quote = lark.marker(GEMMA_QUOTE)
-    key = '/[A-Za-z_][A-Za-z0-9_]*/ ":" gemma_any'
+    key = f'{KEY} ":" gemma_any'
     lark.rules["gemma_object"] = f'"{{" ({key} ("," {key})*)? "}}"'
     lark.rules["gemma_any"] = " | ".join(
         [

@@ -270,3 +270,33 @@ def test_a_named_function_is_the_only_call_allowed(compilers, name):
     assert accepts(compiled, tokenizer, call)
     assert not accepts(compiled, tokenizer, CALLS[name]({"city": "Paris"}))
     assert not accepts(compiled, tokenizer, call.replace("UTC", "PST"))
+
+
+# A tool that declares no parameters takes any keys; one that forbids them, none.
+FREE_TOOL = {"type": "function", "function": {"name": "note", "parameters": {}}}
+CLOSED_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "ping",
+        "parameters": {
+            "type": "object",
+            "properties": {},
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", ["json", "lfm2", "qwen3_coder", "gemma4", "glm4_7"])
+def test_a_tool_without_declared_parameters_takes_any_keys(compilers, name):
+    tokenizer, compiled = required_call_grammar(compilers, name, (FREE_TOOL,))
+    call = CALLS[name]
+    for args in ({}, {"text": "milk"}, {"text": "milk", "count": 2}):
+        assert accepts(
+            compiled, tokenizer, call(args).replace("get_weather", "note")
+        ), args
+    tokenizer, compiled = required_call_grammar(compilers, name, (CLOSED_TOOL,))
+    assert accepts(compiled, tokenizer, call({}).replace("get_weather", "ping"))
+    assert not accepts(
+        compiled, tokenizer, call({"text": "milk"}).replace("get_weather", "ping")
+    )
