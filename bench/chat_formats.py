@@ -8,20 +8,25 @@ the call is bare JSON) and on the Qwen-style chat folder of the same weights
 (``<tool_call>`` framing), which takes another compute path."""
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 
+import llguidance.numpy
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
+from mlx_backend.formats.grammars import tool_call_grammar
 from mlx_backend.formats.registry import make_chat_format
+from mlx_backend.grammar import GrammarCompiler
 from mlx_backend.output.chat_output import OutputOptions
-from mlx_backend.output.detokenizer import TokenBytes
+from mlx_backend.output.detokenizer import TokenBytes, make_token_bytes
 from mlx_backend.output.reply_pipeline import ReplyPipeline
 from mlx_backend.request_parsing import GenerationRequest
 from tests.chat_models import FAMILIES, make_chat_folders
 from tests.unit.test_chat_formats import WEATHER_TOOL
+from tests.unit.test_format_grammars import CALLS
 
 # A tool whose one argument can't close within the decode: every token is constrained.
 STORY_TOOL = {
@@ -82,6 +87,59 @@ def grammar_rates(stub, rounds: int, tokens: int) -> tuple[float, float, float]:
     )
 
 
+# A call whose string argument runs long, so that the mask's cost inside a value
+# weighs as much as at the structure.
+LONG_CITY = {"city": "Paris, the capital of France, on the Seine, " * 4, "days": 3}
+# The families whose forced-call grammars part 9 times, one per kind of framing.
+MASKED_FAMILIES = ("json", "qwen3_coder", "lfm2", "gemma4", "kimi_k2")
+
+
+def mask_seconds(compiled, tokens: list[int], vocab: int) -> float:
+    """Seconds per token a grammar's matcher takes: the mask, then the token."""
+    matcher = compiled.matcher.deep_copy()
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab)
+    started = time.perf_counter()
+    for token in tokens:
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
+        assert matcher.consume_token(token)
+    return (time.perf_counter() - started) / len(tokens)
+
+
+def grammar_mask_costs(folders: dict, rounds: int) -> dict[str, tuple[float, float]]:
+    """Per family: µs per token of its forced-call grammar (declared keys, bounded
+    whitespace) on a long call, and of the same call under an open JSON schema
+    (any key, any whitespace) where the arguments are JSON, else nan."""
+    costs = {}
+    for name in MASKED_FAMILIES:
+        tokenizer = load_tokenizer(folders[name])
+        chat_format = make_chat_format(tokenizer, {})
+        vocab = len(tokenizer.vocab)
+        compiler = GrammarCompiler(tokenizer, make_token_bytes(tokenizer), vocab)
+        text = CALLS[name](LONG_CITY)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        lark = tool_call_grammar(
+            chat_format, [WEATHER_TOOL], None, "answer", compiler.specials
+        )
+        strict = compiler.compile(lark, lark=True)
+        open_cost = math.nan
+        if name == "json":
+            schema = json.dumps(WEATHER_TOOL["function"]["parameters"])
+            head = json.dumps('<tool_call>\n{"name": "get_weather", "arguments": ')
+            tail = json.dumps("}\n</tool_call>")
+            loose = f"start: {head} args {tail}\nargs: %json {schema}\n"
+            compiled = compiler.compile(loose, lark=True)
+            open_cost = statistics.median(
+                mask_seconds(compiled, tokens, vocab) for _ in range(rounds)
+            )
+        costs[name] = (
+            statistics.median(
+                mask_seconds(strict, tokens, vocab) for _ in range(rounds)
+            ),
+            open_cost,
+        )
+    return costs
+
+
 def bench_chat_formats(stub, folder: str, rounds: int, tokens: int):
     """``stub``: a server with the default model loaded, which part 9 reloads."""
     folders = make_chat_folders(Path(folder) / "chat")
@@ -101,6 +159,7 @@ def bench_chat_formats(stub, folder: str, rounds: int, tokens: int):
         paths[name] = grammar_rates(stub, rounds, tokens)
     decode = 1.0 / paths["default weights"][0]
     cost = (classified - plain) / decode
+    masks = grammar_mask_costs(folders, rounds)
     report = {
         "decode_ms_per_token": decode * 1e3,
         "pipeline_us_per_token_raw": plain * 1e6,
@@ -109,6 +168,10 @@ def bench_chat_formats(stub, folder: str, rounds: int, tokens: int):
         "required_tool_choice": {
             name: {"free_tok_s": free, "required_tok_s": required, "ratio": ratio}
             for name, (free, required, ratio) in paths.items()
+        },
+        "call_grammar_us_per_token": {
+            name: {"strict": strict * 1e6, "open_json": loose * 1e6}
+            for name, (strict, loose) in masks.items()
         },
     }
     lines = [
@@ -126,5 +189,11 @@ def bench_chat_formats(stub, folder: str, rounds: int, tokens: int):
         lines.append(
             f"| {name}: ToolChoice required / free decode "
             f"({required:.1f} / {free:.1f} tok/s) | {ratio:.3f}x | ≥ 0.95x |"
+        )
+    for name, (strict, loose) in masks.items():
+        against = "" if math.isnan(loose) else f" (open schema: {loose * 1e6:.0f} µs)"
+        lines.append(
+            f"| {name}: forced-call grammar's mask, µs per token, of decode"
+            f"{against} | {strict * 1e6:.0f} µs, {strict / decode:.2%} | |"
         )
     return report, lines
