@@ -16,6 +16,7 @@ from mlx_backend.formats.registry import (
     DEEPSEEK_SECTION,
     DEEPSEEK_SEPARATOR,
     MISTRAL_SEPARATOR,
+    RESPONSE_MARKERS,
 )
 from mlx_backend.schemas import strict_schema
 
@@ -29,6 +30,11 @@ GEMMA_QUOTE = '<|"|>'
 COMPOUND = {"properties", "items", "anyOf", "oneOf", "allOf", "$ref"}
 # Any argument name, where a tool declares none.
 KEY = "/[A-Za-z_][A-Za-z0-9_]*/"
+# Characters written escaped inside a Lark /regex/.
+_ESCAPED = {
+    **{c: f"\\{c}" for c in r"\.^$|?*+()[]{}/-"},
+    **{"\n": r"\n", "\r": r"\r", "\t": r"\t"},
+}
 
 
 class Lark:
@@ -63,10 +69,12 @@ class Lark:
                 self.rules.setdefault("TEXT", "/(?s:.*)/")
                 self._free[end] = f"TEXT {self.marker(end)}"
             else:
-                stop = pieces[0][0]
+                # A lazy lexeme ends at the marker's first occurrence, and the
+                # token that completes it may go on into what follows.
+                text = pieces[0][0]
                 name = f"free{len(self.rules)}"
-                self.rules[f"{name}[stop={json.dumps(stop)}]"] = "/(?s:.*)/"
-                rest = end[len(stop) :]
+                self.rules[f"{name}[lazy]"] = f"/(?s:.*){_regex(text)}/"
+                rest = end[len(text) :]
                 self._free[end] = name + (f" {self.marker(rest)}" if rest else "")
         return self._free[end]
 
@@ -77,6 +85,11 @@ class Lark:
         lines = [f"start: {start}"]
         lines += [f"{name}: {body}" for name, body in self.rules.items()]
         return "\n".join(lines) + "\n"
+
+
+def _regex(text: str) -> str:
+    """``text`` as a literal inside a Lark ``/regex/``."""
+    return "".join(_ESCAPED.get(c) or c for c in text)
 
 
 def _pieces(text: str, specials: Mapping[str, int]) -> list[tuple[str, bool]]:
@@ -135,7 +148,15 @@ def reasoning_prefix(
     format has no reasoning or the reply can't start it."""
     lark = Lark(specials)
     head = _reasoning(lark, chat_format, start)
-    return "" if head is None else lark.render(f"{head} @{ANSWER}")
+    if head is None:
+        return ""
+    answer = f"@{ANSWER}"
+    framing = chat_format.tools
+    if framing is not None and framing.name in RESPONSE_MARKERS:
+        # Command and Granite may wrap the answer in their response markers.
+        opening, closing = map(lark.marker, RESPONSE_MARKERS[framing.name])
+        answer = f"({opening})? {answer} ({closing})?"
+    return lark.render(f"{head} {answer}")
 
 
 def _parameters(tool: dict) -> dict:

@@ -98,13 +98,25 @@ GEMMA_THOUGHT = f"<|channel>thought\n{THOUGHT}<channel|>"
             f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant"
             '<|channel|>final<|message|>{"city": "Paris"}',
         ),
-        # [THINK] special tokens; Command's; Gemma 4's channel: a special token
-        # and text ("<|channel>thought") open it.
+        # [THINK] special tokens; Command's and Granite's, the answer in their
+        # response markers or not; Gemma 4's channel: a special token and text
+        # ("<|channel>thought") open it.
         ("magistral", "content", f'[THINK]{THOUGHT}[/THINK]{{"city": "Paris"}}'),
         (
             "command_r7b",
             "content",
             f'<|START_THINKING|>{THOUGHT}<|END_THINKING|>{{"city": "Paris"}}',
+        ),
+        (
+            "command_r7b",
+            "content",
+            f"<|START_THINKING|>{THOUGHT}<|END_THINKING|>"
+            '<|START_RESPONSE|>{"city": "Paris"}<|END_RESPONSE|>',
+        ),
+        (
+            "granite_3_3",
+            "content",
+            f'<think>{THOUGHT}</think><response>{{"city": "Paris"}}</response>',
         ),
         ("gemma4", "content", f'{GEMMA_THOUGHT}{{"city": "Paris"}}'),
         ("gemma4", "content", '{"city": "Paris"}'),
