@@ -63,47 +63,42 @@ def chat(**fields) -> pb.PredictOptions:
     )
 
 
-def test_a_schema_constrains_the_answer_after_free_reasoning(server, folders):
-    load(server, str(folders["json"]))
-    tokenizer = load_tokenizer(folders["json"])
-    thinking = "<think>\nThe user wants JSON.\n</think>\n\n"
+# Each reasoning framing's thought as its model writes it, and the template
+# variables that let it think.
+THOUGHTS = {
+    "json": ("<think>\nSimple question.\n</think>\n\n", {}),
+    "open": ("Simple question.\n</think>\n\n", {}),
+    "gpt_oss": (
+        "<|channel|>analysis<|message|>Simple question.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>",
+        {},
+    ),
+    "magistral": ("[THINK]Simple question.[/THINK]", {}),
+    "command_r7b": ("<|START_THINKING|>Simple question.<|END_THINKING|>", {}),
+    "gemma4": (
+        "<|channel>thought\nSimple question.<channel|>",
+        {"enable_thinking": "true"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", THOUGHTS)
+def test_each_reasoning_framing_keeps_its_reasoning_under_a_schema(
+    server, folders, name
+):
+    load(server, str(folders[name]))
+    tokenizer = load_tokenizer(folders[name])
+    thought, kwargs = THOUGHTS[name]
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
         "required": ["city"],
-        "additionalProperties": False,
     }
-    prefix = tokenizer.encode(thinking, add_special_tokens=False)
-    reply = server.stub.Predict(
-        chat(
-            Grammar=json.dumps(schema),
-            Tokens=60,
-            Metadata={"forced_prefix": json.dumps(prefix)},
-        )
-    )
-    content, reasoning, calls = merged(reply.chat_deltas)
-    assert reasoning == "The user wants JSON.\n"
-    assert json.loads(content)["city"] in ("Paris", "Lyon")
-
-
-def test_gemma4_keeps_its_channel_reasoning_under_a_schema(server, folders):
-    load(server, str(folders["gemma4"]))
-    tokenizer = load_tokenizer(folders["gemma4"])
-    thought = "<|channel>thought\nSimple question.<channel|>"
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
-        "required": ["city"],
-    }
+    forced = tokenizer.encode(thought, add_special_tokens=False)
     request = chat(
         Grammar=json.dumps(schema),
         Tokens=40,
-        Metadata={
-            "forced_prefix": json.dumps(
-                tokenizer.encode(thought, add_special_tokens=False)
-            ),
-            "enable_thinking": "true",
-        },
+        Metadata={"forced_prefix": json.dumps(forced), **kwargs},
     )
     unary = merged(server.stub.Predict(request).chat_deltas)
     streamed = merged(
@@ -111,7 +106,7 @@ def test_gemma4_keeps_its_channel_reasoning_under_a_schema(server, folders):
     )
     assert unary == streamed
     content, reasoning, calls = unary
-    assert reasoning == "Simple question." and not calls
+    assert reasoning.strip() == "Simple question." and not calls
     assert json.loads(content) in ({"city": "Paris"}, {"city": "Lyon"})
 
 
