@@ -62,12 +62,37 @@ def after_reasoning(prefix: str, grammar: str) -> str:
     return json.dumps({"grammars": [{"lark_grammar": prefix}, *inner]})
 
 
+# The last tokens of a reply in which a grammar that has not ended looks for its
+# way to the end; once that way takes all that is left, the reply takes it.
+CLOSING_WINDOW = 48
+# Nodes one look may visit, and the short tokens it tries in a free region.
+CLOSING_NODES = 400
+CLOSING_BRANCH = 4
+# Below this many allowed tokens the grammar is in a literal: try them all.
+CLOSING_LITERAL = 64
+# Texts that end most free regions: strings, objects, lists, lines.
+CLOSING_TEXTS = ('"', "}", "]", ")", "\n")
+
+
+@dataclass(frozen=True)
+class Closing:
+    """What the search for a grammar's way to its end tries in a free region: the
+    texts that end regions, each as its tokens, then short tokens."""
+
+    closers: tuple[tuple[int, ...], ...]
+    short: np.ndarray = field(repr=False)
+    # Bytes per token, to try the longest first inside a literal.
+    lengths: np.ndarray = field(repr=False)
+    eos: frozenset[int] = frozenset()
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A validated grammar; each request advances its own copy of ``matcher``."""
 
     text: str
     matcher: llguidance.LLMatcher = field(repr=False)
+    closing: Closing | None = field(default=None, repr=False)
 
 
 def special_tokens(tokenizer: TokenizerWrapper) -> dict[str, int]:
@@ -114,15 +139,22 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         # The special tokens' ids by their text, which format grammars name.
         self.specials = special_tokens(tokenizer)
+        # The short tokens a closing search tries, and every token's length.
+        self._short: tuple[np.ndarray, np.ndarray] | None = None
         # Grammars compiled so far (cache misses).
         self.compilations = 0
 
     def compile(
-        self, text: str, reasoning: str = "", lark: bool = False
+        self,
+        text: str,
+        reasoning: str = "",
+        lark: bool = False,
+        closers: tuple[str, ...] = (),
     ) -> CompiledGrammar:
         """``text``, a request's Grammar (or with ``lark``, a Lark grammar of ours),
-        for the answer after ``reasoning`` (``formats.grammars.reasoning_prefix``)."""
-        key = (text, reasoning, lark)
+        for the answer after ``reasoning`` (``formats.grammars.reasoning_prefix``);
+        ``closers`` end its free regions besides JSON's (``closing_texts``)."""
+        key = (text, reasoning, lark, closers)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -148,13 +180,100 @@ class GrammarCompiler:
             matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
             if matcher.is_error():
                 raise InvalidArgument(f"Grammar: {matcher.get_error()}")
-            compiled = CompiledGrammar(text, matcher)
+            compiled = CompiledGrammar(text, matcher, self._closing(closers))
             self.compilations += 1
             logger.debug("compiled a grammar of %d characters", len(text))
             self._compiled[key] = compiled
             while len(self._compiled) > GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)
             return compiled
+
+    def _closing(self, closers: tuple[str, ...]) -> Closing:
+        if self._short is None:
+            table = self._token_bytes.table
+            lengths = np.array([len(piece) for piece in table], dtype=np.int32)
+            special = set(self.specials.values())
+            short = [t for t, p in enumerate(table) if 0 < len(p) <= 2]
+            short = [t for t in short if t not in special]
+            # Closing punctuation first, then the rest.
+            short.sort(key=lambda t: (not set(table[t]) <= set(b'"}])>'), t))
+            self._short = np.array(short, dtype=np.int64), lengths
+        runs = [
+            tuple(self._tokenizer.encode(text, add_special_tokens=False))
+            for text in (*closers, *CLOSING_TEXTS)
+        ]
+        short, lengths = self._short
+        return Closing(
+            tuple(dict.fromkeys(run for run in runs if run)),
+            short,
+            lengths,
+            frozenset(self._tokenizer.eos_token_ids),
+        )
+
+
+def find_close(
+    matcher: llguidance.LLMatcher, closing: Closing, bitmask: np.ndarray, budget: int
+) -> list[int] | None:
+    """Tokens that take ``matcher`` to where its grammar may end, at most
+    ``budget`` of them, found depth first: in a literal (few tokens allowed) the
+    longest allowed token first; in a free region the closing texts that leave
+    it, then short tokens. The matcher is left as it was; None when the search
+    finds no way."""
+    path: list[int] = []
+    visited = 0
+    vocab = len(closing.lengths)
+
+    def allowed() -> np.ndarray:
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
+        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
+        return bits[:vocab].astype(bool)
+
+    def take(run) -> bool:
+        taken = 0
+        for token in run:
+            if not matcher.try_consume_tokens([token]):
+                break
+            taken += 1
+        if taken < len(run):
+            matcher.rollback(taken)
+        return taken == len(run)
+
+    def moves(mask: np.ndarray) -> list[tuple[int, ...]]:
+        ids = [t for t in np.flatnonzero(mask).tolist() if t not in closing.eos]
+        if len(ids) <= CLOSING_LITERAL:
+            return [(t,) for t in sorted(ids, key=lambda t: -closing.lengths[t])]
+        free = int(mask.sum())
+        leaving = []
+        for run in closing.closers:
+            if mask[run[0]] and take(run):
+                # A closing text that leaves the free region (what may follow
+                # changes), not one the region's text merely goes on with.
+                if int(allowed().sum()) != free:
+                    leaving.append(run)
+                matcher.rollback(len(run))
+        short = closing.short[mask[closing.short]][:CLOSING_BRANCH]
+        return leaving + [(t,) for t in short.tolist()]
+
+    def search(depth: int) -> bool:
+        nonlocal visited
+        if matcher.is_accepting():
+            return True
+        if depth >= budget or visited >= CLOSING_NODES:
+            return False
+        visited += 1
+        for run in moves(allowed()):
+            if depth + len(run) > budget or not take(run):
+                continue
+            path.extend(run)
+            if search(depth + len(run)):
+                return True
+            del path[-len(run) :]
+            matcher.rollback(len(run))
+        return False
+
+    found = search(0)
+    matcher.rollback(len(path))
+    return path if found else None
 
 
 class GrammarState:
@@ -164,8 +283,16 @@ class GrammarState:
     pipeline before it emits the token, whichever comes first.
     """
 
-    def __init__(self, grammar: CompiledGrammar):
+    def __init__(self, grammar: CompiledGrammar, limit: int | None = None):
         self.matcher = grammar.matcher.deep_copy()
+        self._closing = grammar.closing if limit is not None else None
+        # Tokens the reply may have (max_tokens), and a scratch mask for closing.
+        self.limit = limit
+        self._scratch: np.ndarray | None = None
+        # The rest of the way to the grammar's end once the reply takes it, and
+        # the token it was last given.
+        self._way: deque[int] = deque()
+        self._forced: int | None = None
         # Generated tokens seen, and of them those the matcher has taken.
         self.seen = 0
         self.consumed = 0
@@ -178,6 +305,9 @@ class GrammarState:
     def see(self, token: int) -> None:
         """Advance past the next generated token; ``error`` says if it can't be."""
         self.seen += 1
+        if token != self._forced:
+            self._way.clear()  # another processor chose otherwise
+        self._forced = None
         blocked = self._blocked.popleft() if self._blocked else None
         if self.error is not None or self.complete:
             return
@@ -201,15 +331,39 @@ class GrammarState:
         self._blocked.append(mx.all(mx.isneginf(logits)))
         return logits
 
+    def closing_token(self, position: int) -> int | None:
+        """The token at ``position`` when the grammar's way to its end takes all
+        the tokens left (an end-of-sequence token where it may end now); None
+        while there is room, or no way is found."""
+        closing = self._closing
+        if closing is None or not 0 < self.limit - position <= CLOSING_WINDOW:
+            return None
+        if not self._way:
+            left = self.limit - position
+            if self._scratch is None:
+                self._scratch = llguidance.numpy.allocate_token_bitmask(
+                    1, len(closing.lengths)
+                )
+            path = find_close(self.matcher, closing, self._scratch, left - 1)
+            if path is None or len(path) + 1 < left:
+                return None
+            self._way.extend([*path, min(closing.eos)])
+        self._forced = self._way.popleft()
+        return self._forced
+
     def ends_before(self, generated: int) -> bool:
         """Whether the token after ``generated`` ones lies past a complete grammar."""
         return self.complete and generated >= self.consumed
 
 
 def make_grammar_processor(
-    grammar: CompiledGrammar, eos_tokens: Iterable[int], vocab_size: int
+    grammar: CompiledGrammar,
+    eos_tokens: Iterable[int],
+    vocab_size: int,
+    limit: int | None = None,
 ) -> tuple[GrammarState, Callable[[mx.array, mx.array], mx.array]]:
-    """A logits processor that allows only what ``grammar`` allows next.
+    """A logits processor that allows only what ``grammar`` allows next, and with
+    a ``limit`` of tokens, closes the grammar before the reply runs out of them.
 
     The matcher takes each sampled token at the next call (unless the reply
     pipeline saw it first). The previous token is read as soon as it exists,
@@ -221,7 +375,7 @@ def make_grammar_processor(
     Returns:
         ``(state, processor)``: the engine reads ``state.error`` for each token.
     """
-    state = GrammarState(grammar)
+    state = GrammarState(grammar, limit)
     matcher = state.matcher
     # llguidance's Metal kernel where there is Metal; MLX ops elsewhere.
     metal = mx.metal.is_available()
@@ -242,8 +396,17 @@ def make_grammar_processor(
         mx.async_eval(logits)
         if state.seen < calls:
             state.see(last.item())
+        position = calls
         calls += 1
         if state.error is None and not state.complete:
+            closing = state.closing_token(position)
+            if closing is not None:
+                # The rest of the way to the grammar's end just fits.
+                return mx.where(
+                    mx.arange(logits.shape[-1]) == closing,
+                    mx.zeros_like(logits),
+                    -mx.inf,
+                )
             llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
             words = bitmask[0].view(np.uint32)
             if (words & not_eos).any():

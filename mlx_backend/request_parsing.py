@@ -9,6 +9,7 @@ from mlx_backend.caches.prompt_files import confine
 from mlx_backend.errors import FailedPrecondition, InvalidArgument
 from mlx_backend.formats.base import ChatFormat, tool_names
 from mlx_backend.formats.grammars import (
+    closing_texts,
     has_call_grammar,
     reasoning_prefix,
     tool_call_grammar,
@@ -214,8 +215,9 @@ def parse_grammar(
     reasoning = ""
     if output.classify:
         reasoning = reasoning_prefix(chat_format, start, compiler.specials)
+    closers = closing_texts(chat_format) if output.classify else ()
     if request.Grammar:
-        return compiler.compile(request.Grammar, reasoning), output
+        return compiler.compile(request.Grammar, reasoning, closers=closers), output
     choice = parse_tool_choice(request.ToolChoice)
     if isinstance(choice, dict):
         function = choice.get("function", choice)
@@ -246,7 +248,7 @@ def parse_grammar(
         # A model without a call format of its own answers with the call's JSON.
         bare = dataclasses.replace(chat_format, tools=FRAMINGS["llama3_json"])
         output = dataclasses.replace(output, chat_format=bare)
-    return compiler.compile(lark, lark=True), output
+    return compiler.compile(lark, lark=True, closers=closers), output
 
 
 def parse_generation(request, info: ModelInfo) -> GenerationRequest:

@@ -144,7 +144,7 @@ def make_request_processors(
     if request.grammar is not None:
         # After the ban, so a finished grammar's end-of-sequence overrides it.
         grammar, processor = make_grammar_processor(
-            request.grammar, eos_token_ids, vocab_size
+            request.grammar, eos_token_ids, vocab_size, request.max_tokens
         )
         processors.append(processor)
     processors.extend(request.processors)

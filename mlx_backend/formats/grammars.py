@@ -10,6 +10,7 @@ hold the keys the tool declares and no other (``schemas.strict_schema``).
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from mlx_backend.formats.base import Channels, ChatFormat, ToolFraming, tool_names
 from mlx_backend.formats.registry import (
@@ -175,8 +176,13 @@ def _chosen(tools: list, name: str | None) -> list[tuple[str, dict]]:
     return chosen
 
 
-# How a framing writes one call: (grammar, framing, (name, schema) each) -> Lark.
-CallSyntax = Callable[[Lark, ToolFraming | None, list[tuple[str, dict]]], str]
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a framing writes one call: ``write(grammar, framing, (name, schema)
+    each)`` gives its Lark; ``closers`` end its free values (as text)."""
+
+    write: Callable[[Lark, ToolFraming | None, list[tuple[str, dict]]], str]
+    closers: tuple[str, ...] = ()
 
 
 def _json_calls(
@@ -211,7 +217,7 @@ def _json_calls(
             parts += [lark.marker(framing.end)] if framing.end else []
         return " ".join(parts)
 
-    return syntax
+    return CallSyntax(syntax)
 
 
 def _named_calls(separator: str, section: tuple[str, str] | None = None) -> CallSyntax:
@@ -230,7 +236,7 @@ def _named_calls(separator: str, section: tuple[str, str] | None = None) -> Call
             body = f"{lark.marker(section[0])} {body} {lark.marker(section[1])}"
         return body
 
-    return syntax
+    return CallSyntax(syntax)
 
 
 def _members(lark: Lark, schema: dict, pair: Callable, sep: str) -> str:
@@ -330,7 +336,7 @@ def _xml_calls(head: str, pair: str, tail: str, sep: str = "") -> CallSyntax:
         start = lark.marker(framing.start)
         return f"{start} ({' | '.join(calls)}) {lark.marker(framing.end)}"
 
-    return syntax
+    return CallSyntax(syntax, (pair.split("{value}")[1], tail))
 
 
 def _kimi(lark, framing, chosen) -> str:
@@ -430,8 +436,8 @@ CALL_SYNTAX: dict[str | None, CallSyntax] = {
     ),
     "mistral": _named_calls(MISTRAL_SEPARATOR),
     "deepseek_v31": _named_calls(DEEPSEEK_SEPARATOR, DEEPSEEK_SECTION),
-    "llama4": _pythonic,
-    "pythonic": _pythonic,
+    "llama4": CallSyntax(_pythonic),
+    "pythonic": CallSyntax(_pythonic),
     "qwen3_coder": _xml_calls(
         "\n<function={name}>\n",
         "<parameter={key}>\n{value}\n</parameter>\n",
@@ -445,8 +451,8 @@ CALL_SYNTAX: dict[str | None, CallSyntax] = {
         '<parameter name="{key}">{value}</parameter>\n',
         "</invoke>\n",
     ),
-    "kimi_k2": _kimi,
-    "gemma4": _gemma,
+    "kimi_k2": CallSyntax(_kimi),
+    "gemma4": CallSyntax(_gemma, (GEMMA_QUOTE,)),
 }
 CALL_SYNTAX["laguna"] = CALL_SYNTAX["glm47"]
 
@@ -457,6 +463,25 @@ def has_call_grammar(chat_format: ChatFormat) -> bool:
         return True
     framing = chat_format.tools
     return (framing.name if framing else None) in CALL_SYNTAX
+
+
+def closing_texts(chat_format: ChatFormat) -> tuple[str, ...]:
+    """The texts that end the free regions of the format's grammars (reasoning, a
+    harmony message, a call's values and markers), which a reply that must close
+    before its token limit writes (``grammar.find_close``)."""
+    texts = []
+    if chat_format.reasoning is not None:
+        texts.append(chat_format.reasoning.end)
+    channels = chat_format.channels
+    if channels is not None:
+        texts += [channels.ends[0], channels.starts[0], channels.channel]
+    framing = chat_format.tools
+    syntax = CALL_SYNTAX.get(framing.name if framing else None)
+    if syntax is not None:
+        texts += syntax.closers
+    if framing is not None:
+        texts += [framing.end, *RESPONSE_MARKERS.get(framing.name, ())[1:]]
+    return tuple(dict.fromkeys(t for t in texts if t))
 
 
 def tool_call_grammar(
@@ -484,7 +509,7 @@ def tool_call_grammar(
         head = f'{m(channels.channel)} "commentary to=functions."'
         return lark.render(f"({_analysis(lark, channels)})? {head} ({calls})")
     framing = chat_format.tools
-    call = CALL_SYNTAX[framing.name if framing else None](lark, framing, chosen)
+    call = CALL_SYNTAX[framing.name if framing else None].write(lark, framing, chosen)
     # A reasoning model may think first; one the prompt opened in reasoning
     # finishes it first.
     head = _reasoning(lark, chat_format, start)

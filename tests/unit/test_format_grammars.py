@@ -6,16 +6,19 @@ function, after any reasoning."""
 
 import json
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_backend.formats.grammars import (
+    closing_texts,
     has_call_grammar,
     reasoning_prefix,
     tool_call_grammar,
 )
 from mlx_backend.formats.registry import make_chat_format
-from mlx_backend.grammar import GrammarCompiler
+from mlx_backend.grammar import GrammarCompiler, make_grammar_processor
 from mlx_backend.output.detokenizer import make_token_bytes
 from tests.unit.test_chat_formats import WEATHER_TOOL
 
@@ -312,3 +315,65 @@ def test_a_tool_without_declared_parameters_takes_any_keys(compilers, name):
     assert not accepts(
         compiled, tokenizer, call({"text": "milk"}).replace("get_weather", "ping")
     )
+
+
+def write_until_closed(compiled, tokenizer, text: str, limit: int) -> tuple[str, int]:
+    """What a "model" that keeps writing ``text`` gets under ``compiled`` with
+    ``limit`` tokens: the reply, and where the grammar first overrode it."""
+    vocab = len(tokenizer.vocab)
+    _, process = make_grammar_processor(compiled, tokenizer.eos_token_ids, vocab, limit)
+    wanted = tokenizer.encode(text, add_special_tokens=False)
+    logits, history, generated, overridden = mx.zeros((1, vocab)), [1], [], None
+    for token in wanted:
+        row = np.array(process(mx.array(history), logits))[0]
+        finite = set(np.flatnonzero(np.isfinite(row)).tolist())
+        if token not in finite:
+            assert len(finite) == 1
+            (token,) = finite
+            overridden = len(generated) if overridden is None else overridden
+        if token in tokenizer.eos_token_ids:
+            return tokenizer.decode(generated), overridden
+        generated.append(token)
+        history.append(token)
+    raise AssertionError(f"the grammar never closed: {tokenizer.decode(generated)!r}")
+
+
+ENDLESS = " and so on" * 40
+
+
+@pytest.mark.parametrize(
+    "name, start, text, answer",
+    [
+        # Reasoning that never ends is closed, then the answer is written.
+        ("json", "content", f"<think>\nHm{ENDLESS}", '{"city": ""}'),
+        ("gemma4", "content", f"<|channel>thought\nHm{ENDLESS}", '{"city": ""}'),
+        ("open", "reasoning", f"Hm{ENDLESS}", '{"city": ""}'),
+    ],
+)
+def test_reasoning_that_runs_on_is_closed_and_answered_in_time(
+    compilers, name, start, text, answer
+):
+    tokenizer, chat_format, compiler = compilers(name)
+    prefix = reasoning_prefix(chat_format, start, compiler.specials)
+    compiled = compiler.compile(SCHEMA, prefix, closers=closing_texts(chat_format))
+    reply, overridden = write_until_closed(compiled, tokenizer, text, 40)
+    assert overridden >= 24
+    end = chat_format.reasoning.end
+    thought, rest = reply.split(end) if end in reply else ("", reply)
+    assert json.loads(rest) == json.loads(answer)
+
+
+@pytest.mark.parametrize("name", ["json", "qwen3_coder", "glm4_7", "gemma4", "lfm2"])
+def test_a_forced_call_whose_value_runs_on_closes_in_time(compilers, name):
+    tokenizer, chat_format, compiler = compilers(name)
+    lark = tool_call_grammar(
+        chat_format, [WEATHER_TOOL], None, "answer", compiler.specials
+    )
+    compiled = compiler.compile(lark, lark=True, closers=closing_texts(chat_format))
+    call = CALLS[name]({"city": "Paris" + ENDLESS})
+    cut = call[: call.index(" and so on") + 30]
+    reply, overridden = write_until_closed(compiled, tokenizer, cut + ENDLESS, 48)
+    assert overridden is not None
+    # The reply is a whole call of the tool: its framing closes it.
+    assert accepts(compiled, tokenizer, reply)
+    assert "Paris and so on" in reply

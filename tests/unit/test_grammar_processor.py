@@ -2,6 +2,8 @@
 and the grammar compiler's cache and errors, with the default model's real
 tokenizer, built as load_gguf builds it, without the model."""
 
+import json
+
 import llguidance.numpy
 import mlx.core as mx
 import numpy as np
@@ -241,3 +243,48 @@ def test_invalid_grammars_are_invalid_argument(compiler, text, needle):
         compiler.compile(text)
     assert str(info.value).startswith("Grammar: ") and needle in str(info.value)
     assert compiler.compilations == before
+
+
+CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+
+
+@pytest.mark.parametrize("limit", [10, 16, 40])
+def test_a_grammar_closes_before_the_token_limit(tokenizer, token_bytes, limit):
+    # The "model" writes a string that never ends; near the limit the processor
+    # leaves one token, on the grammar's way to its end, then end-of-sequence.
+    fresh = GrammarCompiler(tokenizer, token_bytes, len(token_bytes.table))
+    state, process = make_grammar_processor(
+        fresh.compile(CITY), tokenizer.eos_token_ids, len(token_bytes.table), limit
+    )
+    eos = min(tokenizer.eos_token_ids)
+    wanted = tokenizer.encode(
+        '{"city": "Paris' + " is on the river" * 9, add_special_tokens=False
+    )
+    logits = mx.zeros((1, len(token_bytes.table)))
+    history, generated, overridden = [1, 2, 3], [], []
+    while True:
+        row = np.array(process(mx.array(history), logits))[0]
+        finite = allowed(row)
+        token = wanted[len(generated)]
+        if token not in finite:
+            # Closing: one token is left, and it is not the model's.
+            assert len(finite) == 1
+            (token,) = finite
+            overridden.append(len(generated))
+        if token == eos:
+            break
+        generated.append(token)
+        history.append(token)
+    assert len(generated) < limit
+    assert json.loads(tokenizer.decode(generated))["city"].startswith("Paris")
+    # It wrote freely until the way to the end took what was left.
+    assert overridden and overridden[0] >= limit - 4
+    assert overridden == list(range(overridden[0], len(generated) + 1))
+
+
+def test_a_grammar_far_from_its_limit_is_not_closed(tokenizer, token_bytes, compiler):
+    compiled = compiler.compile(CITY)
+    state, process = make_grammar_processor(
+        compiled, tokenizer.eos_token_ids, len(token_bytes.table), limit=500
+    )
+    assert state.closing_token(0) is None and state.closing_token(451) is None
