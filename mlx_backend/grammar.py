@@ -81,8 +81,10 @@ class Closing:
 
     closers: tuple[tuple[int, ...], ...]
     short: np.ndarray = field(repr=False)
-    # Bytes per token, to try the longest first inside a literal.
+    # Bytes per token, to try the longest first inside a literal, and whether
+    # it is only whitespace.
     lengths: np.ndarray = field(repr=False)
+    blank: np.ndarray = field(repr=False)
     eos: frozenset[int] = frozenset()
 
 
@@ -139,8 +141,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         # The special tokens' ids by their text, which format grammars name.
         self.specials = special_tokens(tokenizer)
-        # The short tokens a closing search tries, and every token's length.
-        self._short: tuple[np.ndarray, np.ndarray] | None = None
+        # The short tokens a closing search tries; each token's length, blankness.
+        self._short: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # Grammars compiled so far (cache misses).
         self.compilations = 0
 
@@ -192,21 +194,23 @@ class GrammarCompiler:
         if self._short is None:
             table = self._token_bytes.table
             lengths = np.array([len(piece) for piece in table], dtype=np.int32)
+            blank = np.array([p.isspace() for p in table], dtype=bool)
             special = set(self.specials.values())
             short = [t for t, p in enumerate(table) if 0 < len(p) <= 2]
             short = [t for t in short if t not in special]
             # Closing punctuation first, then the rest.
             short.sort(key=lambda t: (not set(table[t]) <= set(b'"}])>'), t))
-            self._short = np.array(short, dtype=np.int64), lengths
+            self._short = np.array(short, dtype=np.int64), lengths, blank
         runs = [
             tuple(self._tokenizer.encode(text, add_special_tokens=False))
             for text in (*closers, *CLOSING_TEXTS)
         ]
-        short, lengths = self._short
+        short, lengths, blank = self._short
         return Closing(
             tuple(dict.fromkeys(run for run in runs if run)),
             short,
             lengths,
+            blank,
             frozenset(self._tokenizer.eos_token_ids),
         )
 
@@ -241,7 +245,9 @@ def find_close(
     def moves(mask: np.ndarray) -> list[tuple[int, ...]]:
         ids = [t for t in np.flatnonzero(mask).tolist() if t not in closing.eos]
         if len(ids) <= CLOSING_LITERAL:
-            return [(t,) for t in sorted(ids, key=lambda t: -closing.lengths[t])]
+            # Whitespace last: it is optional wherever a grammar has it.
+            order = sorted(ids, key=lambda t: (closing.blank[t], -closing.lengths[t]))
+            return [(t,) for t in order]
         free = int(mask.sum())
         leaving = []
         for run in closing.closers:
