@@ -66,7 +66,7 @@ def after_reasoning(prefix: str, grammar: str) -> str:
 # way to the end; once that way takes all that is left, the reply takes it.
 CLOSING_WINDOW = 48
 # Nodes one look may visit, and the short tokens it tries in a free region.
-CLOSING_NODES = 400
+CLOSING_NODES = 200
 CLOSING_BRANCH = 4
 # Below this many allowed tokens the grammar is in a literal: try them all.
 CLOSING_LITERAL = 64
@@ -299,6 +299,10 @@ class GrammarState:
         # the token it was last given.
         self._way: deque[int] = deque()
         self._forced: int | None = None
+        # The position of the next look for the way, and the wait after one that
+        # found none (doubled each time).
+        self._next_look = 0
+        self._wait = 1
         # Generated tokens seen, and of them those the matcher has taken.
         self.seen = 0
         self.consumed = 0
@@ -346,12 +350,21 @@ class GrammarState:
             return None
         if not self._way:
             left = self.limit - position
+            if position < self._next_look:
+                return None
             if self._scratch is None:
                 self._scratch = llguidance.numpy.allocate_token_bitmask(
                     1, len(closing.lengths)
                 )
             path = find_close(self.matcher, closing, self._scratch, left - 1)
-            if path is None or len(path) + 1 < left:
+            if path is None:
+                # Fewer tokens will be left: look again less and less often.
+                self._next_look, self._wait = position + self._wait, self._wait * 2
+                return None
+            if len(path) + 1 < left:
+                # Look again once a third of the room the way leaves is gone (a
+                # token can lengthen the way by about one).
+                self._next_look = position + max(1, (left - len(path) - 1) // 3)
                 return None
             self._way.extend([*path, min(closing.eos)])
         self._forced = self._way.popleft()

@@ -288,3 +288,31 @@ def test_a_grammar_far_from_its_limit_is_not_closed(tokenizer, token_bytes, comp
         compiled, tokenizer.eos_token_ids, len(token_bytes.table), limit=500
     )
     assert state.closing_token(0) is None and state.closing_token(451) is None
+
+
+def test_looking_for_the_way_to_the_end_is_rare(tokenizer, token_bytes, monkeypatch):
+    # A string that must hold 4000 characters can't close in 48 tokens: the
+    # looks back off; one that can is looked at a few times before it is taken.
+    looks = []
+    find_close = grammar.find_close
+
+    def counted(*args):
+        looks.append(args[-1])
+        return find_close(*args)
+
+    monkeypatch.setattr(grammar, "find_close", counted)
+    fresh = GrammarCompiler(tokenizer, token_bytes, len(token_bytes.table))
+    story = '{"type": "string", "minLength": 4000}'
+    for schema, most in ((story, 6), (CITY, 8)):
+        looks.clear()
+        state, process = make_grammar_processor(
+            fresh.compile(schema), tokenizer.eos_token_ids, len(token_bytes.table), 48
+        )
+        text = '"' if schema == story else '{"city": "'
+        tokens = tokenizer.encode(text + "la " * 60, add_special_tokens=False)
+        logits = mx.zeros((1, len(token_bytes.table)))
+        history = [1]
+        for token in tokens[:40]:
+            row = np.array(process(mx.array(history), logits))[0]
+            history.append(token if np.isfinite(row[token]) else int(row.argmax()))
+        assert 0 < len(looks) <= most, looks
