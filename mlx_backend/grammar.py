@@ -66,7 +66,7 @@ def after_reasoning(prefix: str, grammar: str) -> str:
 # way to the end; once that way takes all that is left, the reply takes it.
 CLOSING_WINDOW = 48
 # Nodes one look may visit, and the short tokens it tries in a free region.
-CLOSING_NODES = 200
+CLOSING_NODES = 96
 CLOSING_BRANCH = 4
 # Below this many allowed tokens the grammar is in a literal: try them all.
 CLOSING_LITERAL = 64
@@ -243,12 +243,12 @@ def find_close(
         return taken == len(run)
 
     def moves(mask: np.ndarray) -> list[tuple[int, ...]]:
-        ids = [t for t in np.flatnonzero(mask).tolist() if t not in closing.eos]
-        if len(ids) <= CLOSING_LITERAL:
+        free = int(mask.sum())
+        if free <= CLOSING_LITERAL:
+            ids = [t for t in np.flatnonzero(mask).tolist() if t not in closing.eos]
             # Whitespace last: it is optional wherever a grammar has it.
             order = sorted(ids, key=lambda t: (closing.blank[t], -closing.lengths[t]))
             return [(t,) for t in order]
-        free = int(mask.sum())
         leaving = []
         for run in closing.closers:
             if mask[run[0]] and take(run):

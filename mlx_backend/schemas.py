@@ -1,5 +1,6 @@
 """JSON schemas as this backend constrains them: an object holds only the keys its
-``properties`` declare unless it says otherwise, and whitespace is bounded.
+``properties`` (or ``required``) declare unless it says otherwise, and whitespace
+is bounded.
 
 A schema's ``additionalProperties`` stands wherever it is given. Where it is
 absent from an object that declares ``properties``, no other key is allowed, as
@@ -56,5 +57,9 @@ def _closed(schema, merged: bool):
         closed["allOf"] = [_closed(v, True) for v in closed["allOf"]]
     declares = isinstance(closed.get("properties"), dict)
     if declares and not merged and not any(key in closed for key in _OPEN_KEYS):
+        # A key the schema requires but does not describe is declared too.
+        required = [k for k in closed.get("required") or () if isinstance(k, str)]
+        undescribed = {k: {} for k in required if k not in closed["properties"]}
+        closed["properties"] = {**closed["properties"], **undescribed}
         closed["additionalProperties"] = False
     return closed

@@ -107,6 +107,13 @@ def test_a_finished_grammar_ends_the_reply_even_with_eos_banned(server):
         ("root ::= undefined_rule", "undefined_rule"),
         ('{"type": "objectx"}', "objectx"),
         ("[1, 2]", "JSON schema must be a JSON object"),
+        # Impossible: refused before a token is generated, never a reply of token 0.
+        ('{"type": "string", "minLength": 5, "maxLength": 2}', "Unsatisfiable"),
+        (
+            '{"type": "object", "properties": {"a": {"type": "string"}}, '
+            '"required": ["b"], "additionalProperties": false}',
+            "required property 'b' is unsatisfiable",
+        ),
     ],
 )
 def test_invalid_grammars_are_invalid_argument(server, grammar, needle):

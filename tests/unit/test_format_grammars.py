@@ -160,6 +160,9 @@ def test_gemma4s_reasoning_opens_with_its_special_token_not_text(compilers):
         (OPEN_SCHEMA, '{"city": "Paris", "where": {"lat": 1, "x": 2}}', False),
         # Said in the schema, it stands.
         ({**OPEN_SCHEMA, "additionalProperties": True}, '{"city": "P", "z": 1}', True),
+        # A required key the properties don't describe is declared, any value.
+        ({**OPEN_SCHEMA, "required": ["city", "id"]}, '{"city": "P", "id": [1]}', True),
+        ({**OPEN_SCHEMA, "required": ["city", "id"]}, '{"city": "P"}', False),
         # An object that declares no properties is any object (JSON mode).
         ({"type": "object"}, '{"anything": [1, 2]}', True),
         # Whitespace: a line break and indentation, but no endless run.
