@@ -338,7 +338,11 @@ class GrammarState:
     def watch(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """The chain's last logits processor: notes whether the step leaves any
         token to sample, read when its token is seen."""
-        self._blocked.append(mx.all(mx.isneginf(logits)))
+        blocked = mx.all(mx.isneginf(logits))
+        # Computed with the step, so that reading it with the token waits for
+        # nothing queued after it (the next forward pass).
+        mx.async_eval(blocked)
+        self._blocked.append(blocked)
         return logits
 
     def closing_token(self, position: int) -> int | None:
