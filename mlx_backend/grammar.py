@@ -302,7 +302,7 @@ class GrammarState:
         # The position of the next look for the way, and the wait after one that
         # found none (doubled each time).
         self._next_look = 0
-        self._wait = 1
+        self._wait = 4
         # Generated tokens seen, and of them those the matcher has taken.
         self.seen = 0
         self.consumed = 0
