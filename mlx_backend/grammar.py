@@ -216,7 +216,11 @@ class GrammarCompiler:
 
 
 def find_close(
-    matcher: llguidance.LLMatcher, closing: Closing, bitmask: np.ndarray, budget: int
+    matcher: llguidance.LLMatcher,
+    closing: Closing,
+    bitmask: np.ndarray,
+    budget: int,
+    nodes: int = CLOSING_NODES,
 ) -> list[int] | None:
     """Tokens that take ``matcher`` to where its grammar may end, at most
     ``budget`` of them, found depth first: in a literal (few tokens allowed) the
@@ -264,7 +268,7 @@ def find_close(
         nonlocal visited
         if matcher.is_accepting():
             return True
-        if depth >= budget or visited >= CLOSING_NODES:
+        if depth >= budget or visited >= nodes:
             return False
         visited += 1
         for run in moves(allowed()):
@@ -360,7 +364,10 @@ class GrammarState:
                 self._scratch = llguidance.numpy.allocate_token_bitmask(
                     1, len(closing.lengths)
                 )
-            path = find_close(self.matcher, closing, self._scratch, left - 1)
+            # After a look that found none, a look over fewer states: the way
+            # rarely gets shorter than it was.
+            nodes = CLOSING_NODES if self._wait == 4 else CLOSING_NODES // 3
+            path = find_close(self.matcher, closing, self._scratch, left - 1, nodes)
             if path is None:
                 # Fewer tokens will be left: look again less and less often.
                 self._next_look, self._wait = position + self._wait, self._wait * 2
