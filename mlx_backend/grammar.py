@@ -237,11 +237,7 @@ def find_close(
         return bits[:vocab].astype(bool)
 
     def take(run) -> bool:
-        taken = 0
-        for token in run:
-            if not matcher.try_consume_tokens([token]):
-                break
-            taken += 1
+        taken = matcher.try_consume_tokens(list(run))
         if taken < len(run):
             matcher.rollback(taken)
         return taken == len(run)
@@ -303,10 +299,9 @@ class GrammarState:
         # the token it was last given.
         self._way: deque[int] = deque()
         self._forced: int | None = None
-        # The position of the next look for the way, and the wait after one that
-        # found none (doubled each time).
+        # The position of the next look for the way, and the looks that found none.
         self._next_look = 0
-        self._wait = 4
+        self._misses = 0
         # Generated tokens seen, and of them those the matcher has taken.
         self.seen = 0
         self.consumed = 0
@@ -366,11 +361,12 @@ class GrammarState:
                 )
             # After a look that found none, a look over fewer states: the way
             # rarely gets shorter than it was.
-            nodes = CLOSING_NODES if self._wait == 4 else CLOSING_NODES // 3
+            nodes = CLOSING_NODES // 3 if self._misses else CLOSING_NODES
             path = find_close(self.matcher, closing, self._scratch, left - 1, nodes)
             if path is None:
-                # Fewer tokens will be left: look again less and less often.
-                self._next_look, self._wait = position + self._wait, self._wait * 2
+                # Fewer tokens will be left: look again 4, 8, 16... steps on.
+                self._next_look = position + (4 << self._misses)
+                self._misses += 1
                 return None
             if len(path) + 1 < left:
                 # Look again once a third of the room the way leaves is gone (a
@@ -415,11 +411,10 @@ def make_grammar_processor(
     for token in eos_tokens:
         not_eos[token // 32] &= ~np.uint32(1 << token % 32)
     eos = min(eos_tokens)
-    only_eos = None
     calls = 0
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        nonlocal calls, only_eos
+        nonlocal calls
         # Queued before the forward pass, the previous token need not wait for it.
         last = tokens[-1]
         mx.async_eval(last)
@@ -432,11 +427,7 @@ def make_grammar_processor(
             closing = state.closing_token(position)
             if closing is not None:
                 # The rest of the way to the grammar's end just fits.
-                return mx.where(
-                    mx.arange(logits.shape[-1]) == closing,
-                    mx.zeros_like(logits),
-                    -mx.inf,
-                )
+                return _only(closing, logits)
             llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
             words = bitmask[0].view(np.uint32)
             if (words & not_eos).any():
@@ -450,11 +441,16 @@ def make_grammar_processor(
                 state.complete = True
             else:
                 state.error = "no token can continue the output (a dead end)"
-        if only_eos is None:
-            only_eos = mx.arange(logits.shape[-1]) == eos
-        return mx.where(only_eos, mx.zeros_like(logits), -mx.inf)
+        return _only(eos, logits)
 
     return state, process
+
+
+def _only(token: int, logits: mx.array) -> mx.array:
+    """Logits under which any sampler picks ``token``."""
+    return mx.where(
+        mx.arange(logits.shape[-1]) == token, mx.zeros_like(logits), -mx.inf
+    )
 
 
 def _unpack(words: mx.array, width: int) -> mx.array:

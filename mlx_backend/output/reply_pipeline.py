@@ -88,7 +88,7 @@ class ReplyPipeline:
             self.first_token_at = time.perf_counter()
         grammar = self._grammar
         if grammar is not None and grammar.seen <= self.generated:
-            # The last token allowed: no processor call comes after it.
+            # No processor call has seen it yet (the reply's last token).
             grammar.see(token)
         if grammar is not None and grammar.error is not None:
             raise InvalidArgument(

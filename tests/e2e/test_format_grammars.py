@@ -11,6 +11,7 @@ import backend_pb2 as pb
 from tests.e2e.test_chat_formats import merged
 from tests.support import Server, run_concurrently
 from tests.unit.test_chat_formats import WEATHER_TOOL
+from tests.unit.test_format_grammars import TIME_TOOL
 
 # The weather tool with bounds a small model can't run past in a few tokens.
 STRICT_WEATHER = {
@@ -24,18 +25,6 @@ STRICT_WEATHER = {
                 "days": {"type": "integer", "minimum": 1, "maximum": 14},
             },
             "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-            "required": ["zone"],
             "additionalProperties": False,
         },
     },
