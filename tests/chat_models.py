@@ -1,5 +1,5 @@
-"""Chat models for tests of reasoning and tool calls: the default weights with
-marker tokens (``<think>``, ``<tool_call>``) and a chat template each: Qwen-style
+"""Chat models for tests of reasoning and tool calls: a tiny random llama with the
+default model's tokenizer, marker tokens (``<think>``, ``<tool_call>``) and a chat template each: Qwen-style
 JSON calls, the same opening inside thinking, and Qwen3-Coder's XML calls; and a
 reference reply with a thought and two calls (``REPLY``).
 
@@ -12,8 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_backend.models.gguf import export_mlx_folder
-from mlx_backend.models.loading import default_model_path
+from tests.tiny_models import make_tiny_draft
 
 MARKER_TOKENS = {3: "<think>", 4: "</think>", 5: "<tool_call>", 6: "</tool_call>"}
 
@@ -103,7 +102,7 @@ def make_chat_folder(
     bos: str = "",
     eos: str = "",
 ) -> Path:
-    """The exported default model with marker ``tokens`` (by id) and ``template``."""
+    """The ``base`` model with marker ``tokens`` (by id) and ``template``."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("model.safetensors", "config.json"):
         (folder / name).symlink_to(base / name)
@@ -612,16 +611,18 @@ def make_family_folder(base: Path, folder: Path, family: Family) -> Path:
 
 
 def make_chat_folders(root: Path) -> dict[str, Path]:
-    """The default model exported under ``root``, and a chat folder for each
-    template: ``json``, ``open`` (the turn opens inside thinking), ``coder`` and
-    each of ``FAMILIES``."""
-    base = export_mlx_folder(default_model_path(), root / "base")
+    """A tiny random llama with the default model's tokenizer and chat template
+    (``plain``: forced tokens and grammars, not the weights, decide what these chats
+    say), and a chat folder for each template: ``json``, ``open`` (the turn opens
+    inside thinking), ``coder`` and each of ``FAMILIES``."""
+    base = make_tiny_draft(root / "plain", layers=2)
     templates = {
         "json": JSON_TEMPLATE,
         "open": OPEN_THINK_TEMPLATE,
         "coder": CODER_TEMPLATE,
     }
-    folders = {
+    folders = {"plain": base}
+    folders |= {
         name: make_chat_folder(base, root / name, template)
         for name, template in templates.items()
     }

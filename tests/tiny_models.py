@@ -32,12 +32,12 @@ TINY_LLAMA = {
 
 
 def make_tiny_draft(
-    folder: Path, vocabulary_changed: bool = False, layers: int = 1
+    folder: Path, vocabulary_changed: bool = False, layers: int = 1, seed: int = 0
 ) -> Path:
-    """A llama of ``layers`` layers with random weights and the default model's
-    tokenizer: a draft model whose proposals are mostly wrong, or a model whose
-    head counts divide by 2. ``vocabulary_changed`` adds a token, so its
-    vocabulary differs from the model's."""
+    """A llama of ``layers`` layers with random weights (the same for a ``seed``)
+    and the default model's tokenizer: a draft model whose proposals are mostly
+    wrong, or a model whose head counts divide by 2. ``vocabulary_changed`` adds a
+    token, so its vocabulary differs from the model's."""
     config = {
         **TINY_LLAMA,
         "num_hidden_layers": layers,
@@ -47,6 +47,7 @@ def make_tiny_draft(
         "eos_token_id": 2,
     }
     folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})

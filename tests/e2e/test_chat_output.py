@@ -366,6 +366,8 @@ def test_a_grammar_forced_tool_call_is_classified(server, folders):
         Messages=[pb.Message(role="user", content="Weather in Paris or Lyon?")],
         Tools=json.dumps([WEATHER_TOOL]),
         Grammar=TOOL_CALL_GBNF,
+        # The prompt closes the thinking the random weights would stay in.
+        Metadata={"enable_thinking": "false"},
     )
     reply = server.stub.Predict(request)
     content, reasoning, calls = summary(reply.chat_deltas)

@@ -139,7 +139,7 @@ def fits_its_function(name: str, arguments: str) -> bool:
 @pytest.mark.parametrize(
     "model, choice",
     [
-        ("default", '"required"'),
+        ("plain", '"required"'),
         ("json", json.dumps({"type": "function", "function": {"name": "send_email"}})),
     ],
     ids=["required-bare-json", "named-tool-call-tags"],
@@ -147,11 +147,11 @@ def fits_its_function(name: str, arguments: str) -> bool:
 def test_forced_calls_close_and_fit_their_function_for_20_seeds(
     server, folders, model, choice
 ):
-    # The plain default model has no call format and answers with the call's
-    # JSON; the Qwen-style template frames calls in <tool_call>. The prompt asks
+    # The default model's template has no call format: the model answers with the
+    # call's JSON; the Qwen-style template frames calls in <tool_call>. The prompt asks
     # for no tool, sampling at temperature 1 wanders, and 40 tokens are few: a
     # value that runs on is closed in time.
-    load(server, str(folders[model]) if model != "default" else "default")
+    load(server, str(folders[model]))
     requests = [
         pb.PredictOptions(
             UseTokenizerTemplate=True,
