@@ -22,6 +22,7 @@ from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
+import backend_pb2 as pb
 from tests.support import Server, start_default_server
 
 KINDS = ("unit", "engine", "e2e")
@@ -80,11 +81,41 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(message)
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="session")
+def default_backend():
+    """This worker's backend serving the default model, started once; the modules
+    that use it get it through ``server``."""
     srv = start_default_server()
+    srv.modules = 0
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(default_backend):
+    """The worker's default backend with a fresh load of the default model (an
+    empty prompt cache, the default options) for each module after the first."""
+    if default_backend.modules:
+        assert default_backend.stub.LoadModel(pb.ModelOptions(Model="default")).success
+    default_backend.modules += 1
+    return default_backend
+
+
+@pytest.fixture(scope="session")
+def forcing_backend():
+    """This worker's forcing backend (tests/forcing_backend.py), started once with
+    no model; the modules that use it get it through ``forcing_server``."""
+    srv = Server(forcing=True)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def forcing_server(forcing_backend):
+    """The worker's forcing backend; ``test_model`` names the model a module last
+    loaded on it (None: load before use)."""
+    forcing_backend.test_model = None
+    return forcing_backend
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,13 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from tests.chat_models import FAMILIES
-from tests.support import Server, merge_chat_deltas
+from tests.support import merge_chat_deltas
 from tests.unit.test_chat_formats import CASES, WEATHER_TOOL
 
 
 @pytest.fixture(scope="module")
-def server(folders):
-    srv = Server(forcing=True)
-    yield srv
-    srv.stop()
+def server(forcing_server):
+    return forcing_server
 
 
 def merged(chat_deltas) -> tuple:
@@ -31,11 +29,11 @@ def merged(chat_deltas) -> tuple:
 @pytest.mark.parametrize("name, i", CASES)
 def test_each_family_streams_what_predict_returns(server, folders, name, i):
     family = FAMILIES[name]
-    if getattr(server, "family", None) != name:
+    if server.test_model != name:
         result = server.stub.LoadModel(pb.ModelOptions(Model=str(folders[name])))
         assert result.success, result.message
         assert f"chat format {family.format}" in result.message
-        server.family = name
+        server.test_model = name
     expected = family.replies[i]
     tokenizer = load_tokenizer(folders[name])
     tokens = tokenizer.encode(expected.text, add_special_tokens=False)

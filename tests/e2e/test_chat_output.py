@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from tests.chat_models import CALL_LYON, REPLY, THOUGHT
-from tests.support import Server, merge_chat_deltas, run_concurrently
+from tests.support import merge_chat_deltas, run_concurrently
 
 WEATHER_TOOL = {
     "type": "function",
@@ -36,16 +36,14 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def server(folders):
-    srv = Server(forcing=True)
-    yield srv
-    srv.stop()
+def server(forcing_server):
+    return forcing_server
 
 
 def load(server, folders, name: str) -> None:
     """Serve test model ``name`` with forced tokens; a load costs seconds, so the
     model already loaded stays."""
-    if getattr(server, "test_model", None) == name:
+    if server.test_model == name:
         return
     server.test_model = None
     result = server.stub.LoadModel(pb.ModelOptions(Model=str(folders[name])))

@@ -9,7 +9,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from tests.e2e.test_chat_formats import merged
-from tests.support import Server, run_concurrently
+from tests.support import run_concurrently
 from tests.unit.test_chat_formats import WEATHER_TOOL
 from tests.unit.test_format_grammars import TIME_TOOL
 
@@ -32,14 +32,12 @@ STRICT_WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(folders):
-    srv = Server(forcing=True)
-    yield srv
-    srv.stop()
+def server(forcing_server):
+    return forcing_server
 
 
 def load(server, model: str) -> None:
-    if getattr(server, "test_model", None) != model:
+    if server.test_model != model:
         assert server.stub.LoadModel(pb.ModelOptions(Model=model)).success
         server.test_model = model
 

@@ -12,7 +12,6 @@ from tests.support import (
     ANSWER,
     MODEL,
     PERSON_SCHEMA,
-    Server,
     chat,
     check_person,
     error_of,
@@ -35,12 +34,10 @@ QUESTION_YES = "Is Paris in France? Answer yes or no."
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server(forcing=True)
-    result = srv.stub.LoadModel(pb.ModelOptions(Model=MODEL))
+def server(forcing_server):
+    result = forcing_server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     assert result.success, result.message
-    yield srv
-    srv.stop()
+    return forcing_server
 
 
 def grammar_chat(question: str, grammar: str, seed: int = 0, **fields):

@@ -16,7 +16,6 @@ from tests.support import (
     entries_of,
     error_of,
     run_concurrently,
-    start_default_server,
 )
 
 # Three-byte characters that SmolLM2's BPE splits across tokens.
@@ -24,11 +23,11 @@ MULTIBYTE = "Tokyo is 東京, café ☕ and 🙂."
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(forcing_server):
     # Named by its path, as LocalAI names a model file.
-    srv = start_default_server(MODEL, forcing=True)
-    yield srv
-    srv.stop()
+    result = forcing_server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
+    assert result.success, result.message
+    return forcing_server
 
 
 def joined_bytes(entries) -> bytes:
