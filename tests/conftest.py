@@ -10,7 +10,11 @@ elsewhere must carry one of those markers itself (the root's test_mlx_cache.py i
 ``-m engine`` and ``-m e2e`` split the suite.
 """
 
+import fcntl
+import hashlib
+import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +26,8 @@ from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
+from tests.family_models import make_family_folder
+from tests.tiny_models import make_tiny_draft
 import backend_pb2 as pb
 from tests.support import Server, start_default_server
 
@@ -126,12 +132,51 @@ def bare_server():
     srv.stop()
 
 
+def built_once(tmp_path_factory, name: str, build: Callable, *args, **kwargs) -> Path:
+    """The folder ``build(folder, *args, **kwargs)`` writes, built once per run
+    and shared by the xdist workers: under the run's common temporary folder,
+    named by ``name`` and a hash of the source of the module that defines
+    ``build``; one worker builds it while the other waits on a lock."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    source = inspect.getsource(inspect.getmodule(build))
+    key = hashlib.sha256(source.encode()).hexdigest()[:12]
+    folder = root / "built" / f"{name}-{key}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = Path(f"{folder}.done")
+        if not done.exists():
+            build(folder, *args, **kwargs)
+            done.touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A 2-layer llama with random weights and the default model's tokenizer and
+    chat template: for engine tests about mechanics, not what the weights say."""
+    return built_once(
+        tmp_path_factory, "tiny-llama", make_tiny_draft, layers=2, head_dim=32
+    )
+
+
+@pytest.fixture(scope="session")
+def family_folder(tmp_path_factory) -> Callable[[str], Path]:
+    """``family_folder(name)``: tests/family_models.py's tiny model of family
+    ``name``, saved once per run."""
+    return lambda name: built_once(
+        tmp_path_factory, f"family-{name}", make_family_folder, name
+    )
+
+
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    """The chat models by template name (``json``, ``open``, ``coder``): the default
-    weights with reasoning and tool-call markers. The parser's tests and the
-    structured-output server's share them."""
-    return make_chat_folders(tmp_path_factory.mktemp("chat-models"))
+    """The chat models by template name (``json``, ``open``, ``coder``, each
+    family's): a tiny random llama with reasoning and tool-call markers. The
+    parser's tests and the structured-output server's share them."""
+    root = built_once(tmp_path_factory, "chat-models", make_chat_folders)
+    return {p.name: p for p in root.iterdir() if p.is_dir()}
 
 
 @pytest.fixture(scope="session")

@@ -20,11 +20,16 @@ from python_utils import parse_options
 from tests.support import QUESTION
 
 
-def load_engine(*options: str, draft: str = "") -> Engine:
+def load_engine(*options: str, draft: str = "", model: str = "") -> Engine:
+    """An engine serving ``model`` (a folder; "" is the embedded default)."""
     engine = Engine()
-    engine.load(
-        LoadPlan(identity="default", draft=draft, options=parse_options(list(options)))
-    ).result()
+    plan = LoadPlan(
+        model=model,
+        identity=model or "default",
+        draft=draft,
+        options=parse_options(list(options)),
+    )
+    engine.load(plan).result()
     return engine
 
 

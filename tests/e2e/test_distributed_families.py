@@ -11,7 +11,6 @@ and the group keeps serving."""
 import pytest
 
 import backend_pb2 as pb
-from tests.family_models import make_family_folder
 from tests.support import (
     Server,
     Worker,
@@ -53,11 +52,6 @@ def group(tmp_path_factory):
     group.stop()
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
-
-
 def check_chat(group: Group, folder) -> None:
     figures = check_a_chat_reuses_its_first_turn(group.server.stub, folder)
     assert figures["distributed_ranks"] == 2
@@ -66,8 +60,8 @@ def check_chat(group: Group, folder) -> None:
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "mamba2"])
-def test_a_family_with_no_split_is_refused(group, models, name):
-    folder = make_family_folder(models / name, name)
+def test_a_family_with_no_split_is_refused(group, family_folder, name):
+    folder = family_folder(name)
     why = {
         "tensor": f"mlx-lm's mlx_lm.models.{name} has no tensor-parallel shard()",
         # auto falls back to the pipeline, which names its own reason.
@@ -83,9 +77,9 @@ def test_a_family_with_no_split_is_refused(group, models, name):
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_5"])
-def test_tensor_parallel_chat_as_mlx_lm(group, models, name):
+def test_tensor_parallel_chat_as_mlx_lm(group, family_folder, name):
     """auto picks tensor parallel; the group outlives the refusals above."""
-    folder = make_family_folder(models / name, name)
+    folder = family_folder(name)
     result = group.load(folder, "auto")
     assert result.success, result.message
     assert "tensor parallel, rank 0 of 2: 2 of 4 query heads, 1 of 2 KV" in (
@@ -95,9 +89,9 @@ def test_tensor_parallel_chat_as_mlx_lm(group, models, name):
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_5"])
-def test_pipeline_chat_as_mlx_lm(tmp_path, models, name):
+def test_pipeline_chat_as_mlx_lm(tmp_path, family_folder, name):
     """A group of its own: a failed step loses the group."""
-    folder = make_family_folder(models / name, name)
+    folder = family_folder(name)
     group = Group(tmp_path)
     try:
         result = group.load(folder, "pipeline")

@@ -8,8 +8,7 @@ prompt and streams mlx-lm's greedy text."""
 import pytest
 
 import backend_pb2 as pb
-from tests.family_models import make_family_folder
-from tests.support import Server, check_a_chat_reuses_its_first_turn
+from tests.support import check_a_chat_reuses_its_first_turn
 
 CASES = {
     "qwen3_5": ("ArraysCache", "KVCache"),
@@ -18,16 +17,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = Server()
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.parametrize("name", CASES)
-def test_a_second_turn_reuses_the_first_over_grpc(server, tmp_path, name):
-    folder = make_family_folder(tmp_path / name, name)
+def test_a_second_turn_reuses_the_first_over_grpc(server, family_folder, name):
+    folder = family_folder(name)
     result = server.stub.LoadModel(
         pb.ModelOptions(Model=str(folder), Options=["tool_parser:none"])
     )

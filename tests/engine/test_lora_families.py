@@ -25,7 +25,7 @@ from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_backend.request_parsing import GenerationRequest
 from python_utils import parse_options
 from tests.engine_helpers import run, text_of
-from tests.family_models import FAMILIES, make_family_folder
+from tests.family_models import FAMILIES
 
 # As tests/engine/test_model_families.py: gpt-oss is not read as harmony.
 PLAIN = ("tool_parser:none", "reasoning:none")
@@ -128,9 +128,9 @@ def served_text(name: str, folder: Path, adapter: Path, fuse: bool) -> str:
 class Family:
     """One family's folder and adapter, and mlx-lm's text with it."""
 
-    def __init__(self, name: str, models: Path):
+    def __init__(self, name: str, folder: Path, models: Path):
         self.name = name
-        self.folder = make_family_folder(models / name, name)
+        self.folder = folder
         model, tokenizer = load_mlx_lm(str(self.folder))
         base = greedy_text(model, tokenizer)
         self.adapter = write_family_adapter(model, models / f"{name}-adapter")
@@ -144,14 +144,14 @@ class Family:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
-    """Where the family folders are saved, once each."""
+    """Where the family adapters are saved."""
     apply_fixes()
     return tmp_path_factory.mktemp("models")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, models):
-    return Family(request.param, models)
+def family(request, family_folder, models):
+    return Family(request.param, family_folder(request.param), models)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
@@ -161,8 +161,10 @@ def test_an_adapter_gives_mlx_lm_text(family, fuse):
 
 
 @pytest.mark.parametrize("name", MIXTURES)
-def test_an_adapter_without_the_experts_gives_mlx_lm_text(name, models, tmp_path):
-    folder = make_family_folder(models / name, name)
+def test_an_adapter_without_the_experts_gives_mlx_lm_text(
+    name, family_folder, models, tmp_path
+):
+    folder = family_folder(name)
     model, _ = load_mlx_lm(str(folder))
     adapter = write_family_adapter(model, tmp_path / "adapter", experts=False)
     expected = greedy_text(*load_mlx_lm(str(folder), adapter_path=str(adapter)))

@@ -33,7 +33,7 @@ from mlx_backend.request_parsing import (
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
 from tests.engine_helpers import log_softmax, run, stats_after, text_of
-from tests.family_models import FAMILIES, WINDOW, make_family_folder
+from tests.family_models import FAMILIES, WINDOW
 from tests.tiny_models import FLAT
 
 # The chat parser stays out of the way: gpt-oss would be read as harmony, whose
@@ -108,9 +108,9 @@ class Family:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
+def family(request, family_folder):
     apply_fixes()
-    folder = make_family_folder(tmp_path_factory.mktemp(request.param), request.param)
+    folder = family_folder(request.param)
     family = Family(request.param, folder)
     yield family
     family.engine.shutdown()

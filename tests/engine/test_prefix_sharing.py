@@ -2,7 +2,9 @@
 system prompt prefills it once and replies as each prompt would alone, sharing
 off prefills every prompt, a cancelled request's prefix serves its resend, the
 member that prefills the prefix can be cancelled, mixed bursts share within each
-group, and requests that wake the engine together are admitted together."""
+group, and requests that wake the engine together are admitted together. The
+model is a tiny llama (conftest's ``tiny_llama``): what is shared, not what the
+weights say, is under test."""
 
 import asyncio
 import logging
@@ -42,9 +44,11 @@ def system_prompt(engine: Engine, system: str, question: str) -> tuple[int, ...]
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(tiny_llama):
     """Each prompt's greedy reply alone, with neither prompt cache nor sharing."""
-    engine = load_engine("max_cache_entries:0", "prefix_sharing:false")
+    engine = load_engine(
+        "max_cache_entries:0", "prefix_sharing:false", model=str(tiny_llama)
+    )
     replies: dict[tuple[int, ...], str] = {}
 
     def reply_to(prompt: tuple[int, ...]) -> str:
@@ -60,8 +64,8 @@ def reference():
 
 
 @pytest.fixture
-def sharing():
-    engine = load_engine()
+def sharing(tiny_llama):
+    engine = load_engine(model=str(tiny_llama))
     yield engine
     engine.shutdown()
 
@@ -111,8 +115,8 @@ def test_a_burst_prefills_its_shared_prefix_once(sharing, reference, caplog):
     assert all(r[-1].prompt_tokens == len(p) for r, p in zip(replies, prompts))
 
 
-def test_sharing_off_prefills_every_prompt(reference):
-    engine = load_engine("prefix_sharing:false")
+def test_sharing_off_prefills_every_prompt(reference, tiny_llama):
+    engine = load_engine("prefix_sharing:false", model=str(tiny_llama))
     try:
         prompts = [system_prompt(engine, BAKERY, q) for q in BAKERY_QUESTIONS]
         replies = burst(engine, prompts)
@@ -152,8 +156,8 @@ def test_cancel_then_resend_reuses_all_but_the_new_tokens(sharing):
     assert isinstance(events[-1], Finished)
 
 
-def test_cancelling_the_member_that_prefills_the_prefix(reference):
-    engine = load_engine("prefill_step_size:32")
+def test_cancelling_the_member_that_prefills_the_prefix(reference, tiny_llama):
+    engine = load_engine("prefill_step_size:32", model=str(tiny_llama))
     try:
         prompts = [system_prompt(engine, BAKERY, q) for q in BAKERY_QUESTIONS]
         cancelled, *replies = burst(engine, prompts, cancel_first=True)

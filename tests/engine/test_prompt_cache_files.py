@@ -1,4 +1,4 @@
-"""Prompt cache files on the embedded model, in-process: PromptCachePath restores
+"""Prompt cache files on a tiny llama (conftest's ``tiny_llama``), in-process: PromptCachePath restores
 a prompt's KV state after a restart and refuses another model's file or a path
 outside the model folder; prompt_cache_dir keeps the prompt cache across restarts.
 """
@@ -24,16 +24,23 @@ SYSTEM = " ".join(
 )
 
 
-def files_engine(model_path: Path, *options: str) -> Engine:
-    engine = Engine()
-    engine.load(
-        LoadPlan(
-            identity="default",
+@pytest.fixture
+def files_engine(tiny_llama):
+    """``files_engine(model_path, *options)``: an engine serving the tiny llama
+    whose model folder (LocalAI's ModelPath) is ``model_path``."""
+
+    def load(model_path: Path, *options: str) -> Engine:
+        engine = Engine()
+        plan = LoadPlan(
+            model=str(tiny_llama),
+            identity=str(tiny_llama),
             model_path=str(model_path),
             options=parse_options(list(options)),
         )
-    ).result()
-    return engine
+        engine.load(plan).result()
+        return engine
+
+    return load
 
 
 def chat_request(engine: Engine, path: str = "", **fields):
@@ -65,7 +72,7 @@ def file_key(engine: Engine) -> tuple[str, int]:
     return engine.served.store.files.fingerprint, engine.served.store.files.layers
 
 
-def test_a_restart_restores_the_prompt_from_its_file(tmp_path, caplog):
+def test_a_restart_restores_the_prompt_from_its_file(files_engine, tmp_path, caplog):
     engine = files_engine(tmp_path)
     try:
         text, reused, prompt = ask(engine, "prompts/system.cache")
@@ -109,7 +116,7 @@ def test_a_restart_restores_the_prompt_from_its_file(tmp_path, caplog):
         engine.shutdown()
 
 
-def test_another_models_file_is_ignored(tmp_path, caplog):
+def test_another_models_file_is_ignored(files_engine, tmp_path, caplog):
     """A file of the same model with another KV layout (q8_0) is refused, and a
     restart with that layout restores it into quantized caches."""
     engine = files_engine(tmp_path, "kv_bits:8", "kv_group_size:32")
@@ -132,7 +139,7 @@ def test_another_models_file_is_ignored(tmp_path, caplog):
         engine.shutdown()
 
 
-def test_paths_stay_inside_the_model_folder(tmp_path):
+def test_paths_stay_inside_the_model_folder(files_engine, tmp_path):
     engine = files_engine(tmp_path / "models")
     try:
         for path in ("../outside.cache", "/etc/outside.cache", "a/../../x.cache"):
@@ -142,7 +149,7 @@ def test_paths_stay_inside_the_model_folder(tmp_path):
         engine.shutdown()
 
 
-def test_prompt_cache_dir_keeps_the_cache_across_restarts(tmp_path):
+def test_prompt_cache_dir_keeps_the_cache_across_restarts(files_engine, tmp_path):
     folder = tmp_path / "kept"
     options = (f"prompt_cache_dir:{folder}", "max_cache_entries:2")
     engine = files_engine(tmp_path, *options)
@@ -174,7 +181,7 @@ def test_prompt_cache_dir_keeps_the_cache_across_restarts(tmp_path):
         engine.shutdown()
 
 
-def test_a_file_the_cache_cannot_keep_is_read_once(tmp_path, caplog, monkeypatch):
+def test_a_file_the_cache_cannot_keep_is_read_once(files_engine, tmp_path, caplog, monkeypatch):
     engine = files_engine(tmp_path)
     try:
         ask(engine, "system.cache")

@@ -13,7 +13,6 @@ from mlx_backend.models.mlx_lm_fixes import (
     apply_fixes,
     scaled_dot_product_attention,
 )
-from tests.family_models import make_family_folder
 
 PROMPTS = [[5 + i for i in range(n)] for n in (7, 13, 20, 31)]
 
@@ -32,9 +31,8 @@ def first_logits(model, prompts) -> list[mx.array]:
 
 
 @pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("nemotron_h")
-    model, _ = load_mlx_lm(str(make_family_folder(folder, "nemotron_h")))
+def nemotron(family_folder):
+    model, _ = load_mlx_lm(str(family_folder("nemotron_h")))
     return model
 
 
