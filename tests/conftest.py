@@ -180,9 +180,23 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def chat_tokenizer(folders):
+def chat_tokenizers(folders) -> Callable:
+    """``chat_tokenizers(name)``: chat folder ``name``'s tokenizer, loaded once per
+    worker and shared (a test that changes one changes a ``copy.deepcopy``)."""
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            loaded[name] = load_tokenizer(folders[name])
+        return loaded[name]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(chat_tokenizers):
     """The ``json`` chat model's tokenizer."""
-    return load_tokenizer(folders["json"])
+    return chat_tokenizers("json")
 
 
 @pytest.fixture(scope="session")

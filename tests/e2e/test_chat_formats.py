@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from tests.chat_models import FAMILIES
@@ -27,7 +26,9 @@ def merged(chat_deltas) -> tuple:
 
 
 @pytest.mark.parametrize("name, i", CASES)
-def test_each_family_streams_what_predict_returns(server, folders, name, i):
+def test_each_family_streams_what_predict_returns(
+    server, folders, chat_tokenizers, name, i
+):
     family = FAMILIES[name]
     if server.test_model != name:
         result = server.stub.LoadModel(pb.ModelOptions(Model=str(folders[name])))
@@ -35,7 +36,7 @@ def test_each_family_streams_what_predict_returns(server, folders, name, i):
         assert f"chat format {family.format}" in result.message
         server.test_model = name
     expected = family.replies[i]
-    tokenizer = load_tokenizer(folders[name])
+    tokenizer = chat_tokenizers(name)
     tokens = tokenizer.encode(expected.text, add_special_tokens=False)
     request = pb.PredictOptions(
         UseTokenizerTemplate=True,

@@ -12,7 +12,6 @@ import random
 import re
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from tests.chat_models import CALL_LYON, REPLY, THOUGHT
@@ -166,9 +165,9 @@ def test_a_prompt_that_opens_thinking_streams_reasoning_first(
     assert summary(server.stub.Predict(off).chat_deltas) == ("It is sunny.", "", ())
 
 
-def test_qwen3_coder_tool_calls(server, folders):
+def test_qwen3_coder_tool_calls(server, folders, chat_tokenizers):
     load(server, folders, "coder")
-    coder = load_tokenizer(folders["coder"])
+    coder = chat_tokenizers("coder")
     call = (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"

@@ -5,7 +5,6 @@ named function makes the reply a valid call of the offered tools."""
 import json
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from tests.e2e.test_chat_formats import merged
@@ -71,10 +70,10 @@ THOUGHTS = {
 
 @pytest.mark.parametrize("name", THOUGHTS)
 def test_each_reasoning_framing_keeps_its_reasoning_under_a_schema(
-    server, folders, name
+    server, folders, chat_tokenizers, name
 ):
     load(server, str(folders[name]))
-    tokenizer = load_tokenizer(folders[name])
+    tokenizer = chat_tokenizers(name)
     thought, kwargs = THOUGHTS[name]
     schema = {
         "type": "object",

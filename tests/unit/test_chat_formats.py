@@ -3,10 +3,10 @@ marker tokens (tests/chat_models.py ``FAMILIES``): the format chosen, the prompt
 end read right, and the family's exact reply classified the same token by token
 as whole, with no marker left in the text. No model runs."""
 
+import copy
 import json
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from mlx_backend.formats.registry import make_chat_format
@@ -43,13 +43,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def loaded(folders):
-    """Each family's tokenizer and chat format."""
+def loaded(folders, chat_tokenizers):
+    """Each family's tokenizer, with the format's end tokens, and chat format."""
     cache = {}
 
     def load(name):
         if name not in cache:
-            tokenizer = load_tokenizer(folders[name])
+            tokenizer = copy.deepcopy(chat_tokenizers(name))
             config = json.loads((folders[name] / "config.json").read_text())
             chat_format = make_chat_format(tokenizer, config)
             for token in chat_format.end_tokens:

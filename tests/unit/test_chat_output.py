@@ -15,7 +15,6 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.formats.registry import make_chat_format
@@ -67,7 +66,9 @@ def without_ids(delta: Delta) -> tuple:
     return delta.content, delta.reasoning, calls
 
 
-def test_the_format_comes_from_the_template_and_the_vocabulary(folders, chat_tokenizer):
+def test_the_format_comes_from_the_template_and_the_vocabulary(
+    chat_tokenizers, chat_tokenizer
+):
     chat_format = make_chat_format(chat_tokenizer, {})
     assert (chat_format.reasoning.start, chat_format.reasoning.end) == (
         "<think>",
@@ -79,12 +80,12 @@ def test_the_format_comes_from_the_template_and_the_vocabulary(folders, chat_tok
     )
     assert chat_format.name == "json+<think>"
     assert chat_format.detected_by == "tool calls by mlx-lm, reasoning by mlx-lm"
-    coder = make_chat_format(load_tokenizer(folders["coder"]), {})
+    coder = make_chat_format(chat_tokenizers("coder"), {})
     assert coder.tools.name == "qwen3_coder"
 
 
-def test_the_tool_parser_option_replaces_the_detected_framing(folders):
-    coder = load_tokenizer(folders["coder"])
+def test_the_tool_parser_option_replaces_the_detected_framing(chat_tokenizers):
+    coder = chat_tokenizers("coder")
     options = parse_options(["tool_parser:hermes", "reasoning:none"])
     hermes = make_chat_format(coder, {}, options.tool_parser, options.reasoning)
     assert (hermes.tools.start, hermes.tools.end, hermes.tools.name) == (

@@ -9,7 +9,6 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_backend.formats.grammars import (
     closing_texts,
@@ -64,12 +63,12 @@ def accepts(compiled, tokenizer, *texts: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def compilers(folders):
+def compilers(chat_tokenizers):
     made = {}
 
     def make(name):
         if name not in made:
-            tokenizer = load_tokenizer(folders[name])
+            tokenizer = chat_tokenizers(name)
             chat_format = make_chat_format(tokenizer, {})
             compiler = GrammarCompiler(
                 tokenizer, make_token_bytes(tokenizer), len(tokenizer.vocab)
