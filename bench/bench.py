@@ -99,7 +99,7 @@ def running_process(
 ):
     """A backend process with the default model loaded (reloaded with LoadModel
     ``options``, or replaced by ``model``, when given); yields its ``Server``."""
-    server = Server("--model", "default", env=env)
+    server = Server("--model", "default", env=env, fresh_blas=True)
     try:
         server.wait_for_log("startup model", timeout=180)
         if options or model != "default":

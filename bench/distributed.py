@@ -33,11 +33,11 @@ def start_group(stack: ExitStack, folder: Path, ranks: int, mode: str):
     workers = []
     if ranks > 1:
         hostfile = write_hostfile(folder, ranks)
-        workers = [Worker(hostfile, rank) for rank in range(1, ranks)]
+        workers = [Worker(hostfile, rank, fresh_blas=True) for rank in range(1, ranks)]
         for worker in workers:
             stack.callback(worker.stop)
         options = [f"hostfile:{hostfile}", f"distributed_mode:{mode}"]
-    server = Server()
+    server = Server(fresh_blas=True)
     stack.callback(server.stop)
     result = server.stub.LoadModel(
         pb.ModelOptions(Model=MODEL, Options=options), timeout=300

@@ -262,7 +262,7 @@ def main() -> int:
             "a run under 2 minutes: the RSS warm-up is %.0f s, not 60 s", warmup
         )
 
-    server = Server("--model", "default")
+    server = Server("--model", "default", fresh_blas=True)
     failures: list[str] = []
     try:
         server.wait_for(pb.StatusResponse.READY)

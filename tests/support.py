@@ -51,10 +51,12 @@ AUTH = (("authorization", "Bearer s3cret"),)
 TRAINS = "You answer questions about the trains from Lyon to Geneva and back. " * 2
 
 
-def backend_environment() -> dict:
-    """A backend process's environment: it picks its BLAS afresh, as when LocalAI
-    starts it, even though pytest runs with one preloaded (make test)."""
-    if fast_blas_in_use(os.environ):
+def backend_environment(fresh_blas: bool = True) -> dict:
+    """A backend process's environment. ``fresh_blas``: it picks its BLAS afresh
+    (and restarts to preload it), as when LocalAI starts it, even though pytest
+    runs with one preloaded (make test); else it starts on pytest's, without the
+    restart (a second or two of each start)."""
+    if fresh_blas and fast_blas_in_use(os.environ):
         return blas_choice_environment(os.environ, "auto")
     return dict(os.environ)
 
@@ -71,9 +73,10 @@ def write_hostfile(folder: Path, ranks: int) -> Path:
 
 
 class Worker:
-    """A distributed worker process: ``backend.py --worker --rank N``."""
+    """A distributed worker process: ``backend.py --worker --rank N``, on
+    pytest's BLAS unless ``fresh_blas`` (``backend_environment``)."""
 
-    def __init__(self, hostfile: Path, rank: int):
+    def __init__(self, hostfile: Path, rank: int, fresh_blas: bool = False):
         self.log = tempfile.NamedTemporaryFile(
             prefix=f"worker{rank}-", suffix=".log", delete=False
         )
@@ -83,7 +86,7 @@ class Worker:
             command,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=backend_environment(),
+            env=backend_environment(fresh_blas),
             cwd=ROOT,
         )
 
@@ -99,7 +102,8 @@ class Worker:
 
 
 class Server:
-    """A backend process started with ``backend.py --addr 127.0.0.1:0``."""
+    """A backend process started with ``backend.py --addr 127.0.0.1:0``, on
+    pytest's BLAS unless ``fresh_blas`` (``backend_environment``)."""
 
     def __init__(
         self,
@@ -107,6 +111,7 @@ class Server:
         env: dict | None = None,
         launcher: list | None = None,
         forcing: bool = False,
+        fresh_blas: bool = False,
     ):
         self.log = tempfile.NamedTemporaryFile(
             prefix="backend-", suffix=".log", delete=False
@@ -120,7 +125,7 @@ class Server:
             (launcher or []) + command + list(args),
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**backend_environment(), **(env or {})},
+            env={**backend_environment(fresh_blas), **(env or {})},
             cwd=ROOT,
         )
         try:
@@ -179,8 +184,9 @@ class Server:
 
 
 def start_default_server(model: str = "default", forcing: bool = False) -> Server:
-    """A backend serving the default model (named ``model``), once it is READY."""
-    srv = Server("--model", model, forcing=forcing)
+    """A backend serving the default model (named ``model``), once it is READY; it
+    picks its BLAS afresh, as when LocalAI starts it."""
+    srv = Server("--model", model, forcing=forcing, fresh_blas=True)
     try:
         srv.wait_for(pb.StatusResponse.READY)
     except BaseException:

@@ -342,7 +342,9 @@ def test_other_blas_choices_give_the_same_tokens(server, choice):
     """The stock path, and OpenBLAS in place of MKL, answer token for token the same."""
     if choice != "off" and not find_fast_blas(choice):
         pytest.skip(f"{choice} is not installed")
-    srv = Server("--model", "default", env={"MLX_BACKEND_FAST_BLAS": choice})
+    srv = Server(
+        "--model", "default", env={"MLX_BACKEND_FAST_BLAS": choice}, fresh_blas=True
+    )
     try:
         srv.wait_for(pb.StatusResponse.READY)
         breakdown = srv.stub.Status(pb.HealthMessage()).memory.breakdown
@@ -371,7 +373,7 @@ def test_other_blas_choices_give_the_same_tokens(server, choice):
 def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
     if sys.platform != "linux" or mx.default_device().type != mx.cpu:
         pytest.skip("the fast CPU path is for Linux CPU")
-    srv = Server(env={"MLX_BACKEND_FAST_BLAS": choice})
+    srv = Server(env={"MLX_BACKEND_FAST_BLAS": choice}, fresh_blas=True)
     try:
         srv.wait_for(pb.StatusResponse.UNINITIALIZED)
         assert logged in srv.logs()
