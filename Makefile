@@ -17,7 +17,7 @@ KERNELS := mlx_backend/cpu/kernels/build/.built
 INSTALL_INPUTS := install.sh backend.proto \
   $(filter-out requirements-test.txt requirements-bench.txt,$(wildcard requirements*.txt))
 
-.PHONY: install run test test-deps bench protogen clean soak e2e-localai
+.PHONY: install run test test-quick test-deps bench protogen clean soak e2e-localai
 
 install: $(VENV)/.installed $(STUBS) $(KERNELS)
 
@@ -56,6 +56,10 @@ test-deps: install $(VENV)/.test-installed
 # PYTEST_ADDOPTS="-m unit" (or -m engine, -m e2e, -k ...) narrows it.
 test: test-deps
 	$(PY) -m unittest test.py
+
+# The quick loop for contributors: the unit layer and the engine layer's faster half.
+test-quick: test-deps
+	PYTEST_ADDOPTS='-m "unit or (engine and not slow)"' $(PY) -m unittest test.py
 
 # LocalAI's backend e2e specs (tests/e2e-backends), as LocalAI runs them, against the run.sh
 # and model its variables name: BACKEND_BINARY, BACKEND_TEST_MODEL_FILE, BACKEND_TEST_CAPS,

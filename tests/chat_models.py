@@ -8,6 +8,7 @@ family's real chat template (``tests/chat_templates``, sources in SOURCES.md), i
 marker tokens in place of the default model's unused special tokens, and the exact
 text its model emits (``FamilyReply``)."""
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,12 @@ REPLY = (
 )
 
 
+@functools.cache
+def _read_json(path: Path) -> dict:
+    """A base folder's file, parsed once for all the folders made from it."""
+    return json.loads(path.read_text())
+
+
 def make_chat_folder(
     base: Path,
     folder: Path,
@@ -106,8 +113,14 @@ def make_chat_folder(
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("model.safetensors", "config.json"):
         (folder / name).symlink_to(base / name)
-    tokenizer = json.loads((base / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
+    tokenizer = _read_json(base / "tokenizer.json")
+    # The base's, copied where this folder changes them (its markers).
+    vocab = dict(tokenizer["model"]["vocab"])
+    tokenizer = {
+        **tokenizer,
+        "model": {**tokenizer["model"], "vocab": vocab},
+        "added_tokens": [dict(entry) for entry in tokenizer["added_tokens"]],
+    }
     for entry in tokenizer["added_tokens"]:
         if entry["id"] in tokens:
             del vocab[entry["content"]]

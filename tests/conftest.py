@@ -13,6 +13,7 @@ elsewhere must carry one of those markers itself (the root's test_mlx_cache.py i
 import fcntl
 import hashlib
 import inspect
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,15 +22,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+import backend_pb2 as pb
 from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
+from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
 from tests.family_models import make_family_folder
-from tests.tiny_models import make_tiny_draft
-import backend_pb2 as pb
 from tests.support import Server, start_default_server
+from tests.tiny_models import make_tiny_draft
 
 KINDS = ("unit", "engine", "e2e")
 TESTS = Path(__file__).resolve().parent
@@ -58,11 +60,67 @@ def folder_kind(path: Path) -> str | None:
     return parts[0] if len(parts) > 1 and parts[0] in KINDS else None
 
 
+# xdist (--dist loadgroup, pyproject.toml) hands each worker a whole group: a file,
+# or these files together, which share what a worker builds once (the chat
+# tokenizers and the forcing backend).
+GROUPS = {
+    "chat": (
+        "unit/test_chat_formats.py",
+        "unit/test_chat_output.py",
+        "unit/test_format_grammars.py",
+        "e2e/test_chat_formats.py",
+        "e2e/test_chat_output.py",
+        "e2e/test_format_grammars.py",
+    ),
+}
+# The groups that take longest (docs/testing.md), handed out first so that the two
+# workers finish together; the rest follow in collection order.
+FIRST = (
+    "chat",
+    "e2e/test_distributed.py",
+    "engine/test_speculative.py",
+    "engine/test_model_families.py",
+    "e2e/test_server.py",
+    "engine/test_lora_families.py",
+    "engine/test_engine.py",
+    "engine/test_load_options.py",
+    "e2e/test_grammar.py",
+    "e2e/test_distributed_families.py",
+    "e2e/test_logprobs_score_embedding.py",
+)
+
+
+# The engine layer's slower half, marked ``slow``: make test-quick leaves it out.
+SLOW = (
+    "engine/test_speculative.py",
+    "engine/test_model_families.py",
+    "engine/test_lora_families.py",
+    "engine/test_engine.py",
+    "engine/test_load_options.py",
+)
+
+
+def group_of(path: Path) -> str:
+    """The xdist group of a test file: GROUPS' name, else its path under tests/."""
+    try:
+        name = path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return path.name
+    return next((g for g, files in GROUPS.items() if name in files), name)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Marks each test by its folder; a test with no kind, or with two, is a usage
-    error that names it."""
+    """Marks each test by its folder and its xdist group, the longest groups first;
+    a test with no kind, or with two, is a usage error that names it."""
+    groups = {item.path: group_of(item.path) for item in items}
+    rank = {group: i for i, group in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(groups[item.path], len(FIRST)))
     wrong = []
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.path]))
+        if groups[item.path] in SLOW:
+            item.add_marker(pytest.mark.slow)
         kind = folder_kind(item.path)
         if kind is not None:
             item.add_marker(kind)
@@ -180,17 +238,29 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def chat_tokenizers(folders) -> Callable:
-    """``chat_tokenizers(name)``: chat folder ``name``'s tokenizer, loaded once per
-    worker and shared (a test that changes one changes a ``copy.deepcopy``)."""
+def chat_models(folders) -> Callable:
+    """``chat_models(name)``: chat folder ``name``'s tokenizer and detected chat
+    format, loaded once per worker and shared; the format's end tokens are among
+    the tokenizer's EOS tokens, as a load adds them (mlx_backend/models/loading.py)."""
     loaded = {}
 
     def load(name: str):
         if name not in loaded:
-            loaded[name] = load_tokenizer(folders[name])
+            tokenizer = load_tokenizer(folders[name])
+            config = json.loads((folders[name] / "config.json").read_text())
+            chat_format = make_chat_format(tokenizer, config)
+            for token in chat_format.end_tokens:
+                tokenizer.add_eos_token(token)
+            loaded[name] = tokenizer, chat_format
         return loaded[name]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizers(chat_models) -> Callable:
+    """``chat_tokenizers(name)``: ``chat_models(name)``'s tokenizer."""
+    return lambda name: chat_models(name)[0]
 
 
 @pytest.fixture(scope="session")

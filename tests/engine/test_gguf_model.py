@@ -11,6 +11,7 @@ from mlx_lm.utils import load as load_mlx_folder
 from mlx_backend.models.gguf import GGUFError, export_mlx_folder, load_gguf, make_config
 from mlx_backend.models.loading import default_model_path, load_model
 
+
 @pytest.fixture(scope="module")
 def gguf():
     return mx.load(str(default_model_path()), return_metadata=True)
@@ -50,6 +51,14 @@ def test_weights_stay_quantized(loaded):
     assert q_proj.weight.dtype == mx.uint32
 
 
+@pytest.mark.parametrize(
+    "text, ids",
+    [
+        ("Hello world", [19556, 905]),
+        ("12345", [33, 34, 35, 36, 37]),  # digits are split one by one
+        ("<|im_start|>user", [1, 4093]),
+    ],
+)
 def test_tokenizer_matches_smollm2(loaded, text, ids):
     _, tokenizer, _ = loaded
     assert tokenizer.encode(text, add_special_tokens=False) == ids
@@ -106,4 +115,3 @@ def test_a_gguf_is_recognized_by_content_whatever_its_name(tmp_path, loaded):
         result = load_model(str(path))
         assert result.config == loaded[2]
         assert result.tokenizer.encode("Paris") == loaded[1].encode("Paris")
-

@@ -181,7 +181,9 @@ def test_prompt_cache_dir_keeps_the_cache_across_restarts(files_engine, tmp_path
         engine.shutdown()
 
 
-def test_a_file_the_cache_cannot_keep_is_read_once(files_engine, tmp_path, caplog, monkeypatch):
+def test_a_file_the_cache_cannot_keep_is_read_once(
+    files_engine, tmp_path, caplog, monkeypatch
+):
     engine = files_engine(tmp_path)
     try:
         ask(engine, "system.cache")

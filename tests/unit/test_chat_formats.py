@@ -3,13 +3,11 @@ marker tokens (tests/chat_models.py ``FAMILIES``): the format chosen, the prompt
 end read right, and the family's exact reply classified the same token by token
 as whole, with no marker left in the text. No model runs."""
 
-import copy
 import json
 
 import pytest
 
 import backend_pb2 as pb
-from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.output.chat_output import (
     Delta,
     OutputOptions,
@@ -43,19 +41,15 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def loaded(folders, chat_tokenizers):
+def loaded(chat_models):
     """Each family's tokenizer, with the format's end tokens, and chat format."""
-    cache = {}
 
     def load(name):
-        if name not in cache:
-            tokenizer = copy.deepcopy(chat_tokenizers(name))
-            config = json.loads((folders[name] / "config.json").read_text())
-            chat_format = make_chat_format(tokenizer, config)
-            for token in chat_format.end_tokens:
-                tokenizer.add_eos_token(token)
-            cache[name] = tokenizer, chat_format
-        return cache[name]
+        tokenizer, chat_format = chat_models(name)
+        assert set(chat_format.end_tokens) <= set(
+            tokenizer.convert_ids_to_tokens(list(tokenizer.eos_token_ids))
+        )
+        return tokenizer, chat_format
 
     return load
 

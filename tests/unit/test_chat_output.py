@@ -8,6 +8,7 @@ markers and the tool parser as it would for a Qwen model (conftest's ``folders``
 ``chat_tokenizer``). No model runs: the parser is fed the tokens of given text.
 """
 
+import functools
 import json
 import logging
 import re
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.formats.base import ChatFormat
 from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.output.chat_output import (
     Delta,
@@ -31,6 +33,12 @@ from python_utils import parse_options
 from tests.chat_models import CALL_LYON, CALL_PARIS, REPLY, THOUGHT
 
 # -- the parser, fed by the real tokenizer's streaming detokenizer -----------------
+
+
+@functools.cache
+def format_of(tokenizer) -> ChatFormat:
+    """The chat format of a shared (conftest) tokenizer, detected once."""
+    return make_chat_format(tokenizer, {})
 
 
 def classify(
@@ -49,7 +57,7 @@ def classify(
         output=OutputOptions(classify=True, **options),
     )
     # No logprobs are asked for, so no token bytes are needed.
-    chat_format = chat_format or make_chat_format(tokenizer, {})
+    chat_format = chat_format or format_of(tokenizer)
     reply = ReplyPipeline(request, tokenizer, chat_format, TokenBytes(()))
     deltas = []
     for token in tokens:

@@ -16,7 +16,6 @@ from mlx_backend.formats.grammars import (
     reasoning_prefix,
     tool_call_grammar,
 )
-from mlx_backend.formats.registry import make_chat_format
 from mlx_backend.grammar import GrammarCompiler, make_grammar_processor
 from mlx_backend.output.detokenizer import make_token_bytes
 from tests.unit.test_chat_formats import WEATHER_TOOL
@@ -63,13 +62,12 @@ def accepts(compiled, tokenizer, *texts: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def compilers(chat_tokenizers):
+def compilers(chat_models):
     made = {}
 
     def make(name):
         if name not in made:
-            tokenizer = chat_tokenizers(name)
-            chat_format = make_chat_format(tokenizer, {})
+            tokenizer, chat_format = chat_models(name)
             compiler = GrammarCompiler(
                 tokenizer, make_token_bytes(tokenizer), len(tokenizer.vocab)
             )
