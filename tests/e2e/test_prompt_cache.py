@@ -1,10 +1,14 @@
 """End-to-end tests of the prompt cache: greedy replies are the same with it and
 without it over repeats, exact hits, trims, penalties and a multi-turn chat, and
 each reuses what it should; a cancelled generation leaves its entry; Free and
-LoadModel clear it; on a hit the reply and GetMetrics count the prompt tokens."""
+LoadModel clear it; on a hit the reply and GetMetrics count the prompt tokens. The
+worker's default backend serves conftest's ``tiny_llama`` here: what the cache
+reuses, not what the weights say, is under test."""
 
 import json
 import time
+
+import pytest
 
 import backend_pb2 as pb
 from tests.support import chat
@@ -20,6 +24,19 @@ TURNS = [
     "Do you sell croissants?",
     "How much is a baguette?",
 ]
+
+
+@pytest.fixture(scope="module")
+def server(server, tiny_llama):
+    server.model = str(tiny_llama)
+    assert load(server)
+    return server
+
+
+def load(server, *options: str) -> bool:
+    """A fresh load of the module's model (an empty prompt cache), with ``options``."""
+    request = pb.ModelOptions(Model=server.model, Options=list(options))
+    return server.stub.LoadModel(request).success
 
 
 def cache_counters(server) -> dict[str, int]:
@@ -82,13 +99,13 @@ def cache_workload(server) -> tuple[list[bytes], list[int]]:
 
 
 def test_prompt_cache_keeps_greedy_output_identical(server):
-    assert server.stub.LoadModel(pb.ModelOptions(Options=["max_cache_entries:0"]))
+    assert load(server, "max_cache_entries:0")
     try:
         expected, reused = cache_workload(server)
         assert reused == [0] * len(expected)
         assert cache_counters(server)["prompt_cache_entries"] == 0
     finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
+        assert load(server)
     assert all(expected), expected
     replies, reused = cache_workload(server)
     assert replies == expected
@@ -114,7 +131,7 @@ def test_prompt_cache_keeps_greedy_output_identical(server):
 
 
 def test_a_cancelled_generation_leaves_its_cache(server):
-    assert server.stub.LoadModel(pb.ModelOptions()).success  # an empty cache
+    assert load(server)  # an empty cache
     stream = server.stub.PredictStream(chat("Tell me a story.", Tokens=200))
     for _ in zip(range(3), stream):
         pass
@@ -130,7 +147,7 @@ def test_a_cancelled_generation_leaves_its_cache(server):
 def test_free_and_load_clear_the_prompt_cache(server):
     server.stub.Predict(chat(Tokens=4))
     assert cache_counters(server)["prompt_cache_entries"] >= 1
-    assert server.stub.LoadModel(pb.ModelOptions()).success
+    assert load(server)
     assert cache_counters(server)["prompt_cache_entries"] == 0
     server.stub.Predict(chat(Tokens=4))
     assert server.stub.Free(pb.HealthMessage()).success
@@ -138,7 +155,7 @@ def test_free_and_load_clear_the_prompt_cache(server):
         status = server.stub.Status(pb.HealthMessage())
         assert status.memory.breakdown["prompt_cache_entries"] == 0
     finally:
-        assert server.stub.LoadModel(pb.ModelOptions()).success
+        assert load(server)
 
 
 def test_prompt_tokens_count_the_whole_prompt_on_a_hit(server):
