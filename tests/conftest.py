@@ -31,7 +31,6 @@ from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
 from tests.family_models import make_family_folder
 from tests.support import Server, start_default_server
-from tests.tiny_models import make_tiny_draft
 
 KINDS = ("unit", "engine", "e2e")
 TESTS = Path(__file__).resolve().parent
@@ -211,21 +210,21 @@ def built_once(tmp_path_factory, name: str, build: Callable, *args, **kwargs) ->
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    """A 2-layer llama with random weights and the default model's tokenizer and
-    chat template: for engine tests about mechanics, not what the weights say."""
-    return built_once(
-        tmp_path_factory, "tiny-llama", make_tiny_draft, layers=2, head_dim=32
-    )
-
-
-@pytest.fixture(scope="session")
 def family_folder(tmp_path_factory) -> Callable[[str], Path]:
     """``family_folder(name)``: tests/family_models.py's tiny model of family
     ``name``, saved once per run."""
     return lambda name: built_once(
         tmp_path_factory, f"family-{name}", make_family_folder, name
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(family_folder) -> Path:
+    """The family matrix's llama: 2 layers of random weights made lively (its greedy
+    text follows the whole prompt, so a cache state one token off changes it), with
+    the default model's tokenizer and chat template: for tests of mechanics, not of
+    what the weights say."""
+    return family_folder("llama")
 
 
 @pytest.fixture(scope="session")

@@ -36,16 +36,13 @@ def make_tiny_draft(
     vocabulary_changed: bool = False,
     layers: int = 1,
     seed: int = 0,
-    head_dim: int = 8,
 ) -> Path:
     """A llama of ``layers`` layers with random weights (the same for a ``seed``)
     and the default model's tokenizer: a draft model whose proposals are mostly
-    wrong, or a model whose head counts divide by 2 (``head_dim`` 32 takes KV
-    quantization's groups). ``vocabulary_changed`` adds a token, so its
-    vocabulary differs from the model's."""
+    wrong, or a model whose head counts divide by 2. ``vocabulary_changed`` adds a
+    token, so its vocabulary differs from the model's."""
     config = {
         **TINY_LLAMA,
-        "head_dim": head_dim,
         "num_hidden_layers": layers,
         "vocab_size": 49152,
         "tie_word_embeddings": True,
