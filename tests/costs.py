@@ -53,15 +53,18 @@ def main() -> None:
         rows.append((f"in-process engine load, default model ({name})", took))
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        took, tiny = seconds(lambda: make_tiny_draft(root / "tiny", layers=2))
-        rows.append(("tiny llama folder", took))
+        tiny = make_family_folder(root / "llama", "llama")
         took, engine = seconds(lambda: load_engine(model=str(tiny)))
         engine.shutdown()
-        rows.append(("in-process engine load, tiny llama", took))
+        rows.append(("in-process engine load, tiny llama (conftest's)", took))
         for name in FAMILIES:
             took, _ = seconds(lambda: make_family_folder(root / name, name))
             rows.append((f"family folder {name}", took))
         took, folders = seconds(lambda: make_chat_folders(root / "chat"))
+        took_tiny, _ = seconds(lambda: make_tiny_draft(root / "plain", layers=2))
+        rows.append(
+            ("a random tiny llama's folder (the chat folders' base)", took_tiny)
+        )
         rows.append((f"chat folders ({len(folders)})", took))
         took, _ = seconds(lambda: [load_tokenizer(f) for f in folders.values()])
         rows.append(("their tokenizers, each", took / len(folders)))
