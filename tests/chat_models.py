@@ -1,7 +1,8 @@
 """Chat models for tests of reasoning and tool calls: a tiny random llama with the
-default model's tokenizer, marker tokens (``<think>``, ``<tool_call>``) and a chat template each: Qwen-style
-JSON calls, the same opening inside thinking, and Qwen3-Coder's XML calls; and a
-reference reply with a thought and two calls (``REPLY``).
+default model's tokenizer, marker tokens (``<think>``, ``<tool_call>``) and a chat
+template each: Qwen-style JSON calls, the same opening inside thinking, and
+Qwen3-Coder's XML calls; and a reference reply with a thought and two calls
+(``REPLY``).
 
 ``FAMILIES`` adds one chat model per family the format registry knows, with the
 family's real chat template (``tests/chat_templates``, sources in SOURCES.md), its

@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 import backend_pb2 as pb
 from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
-from mlx_backend.formats.registry import make_chat_format
+from mlx_backend.formats.registry import adopt_chat_format
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
@@ -238,34 +238,24 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def chat_models(folders) -> Callable:
-    """``chat_models(name)``: chat folder ``name``'s tokenizer and detected chat
-    format, loaded once per worker and shared; the format's end tokens are among
-    the tokenizer's EOS tokens, as a load adds them (mlx_backend/models/loading.py)."""
+    """``chat_models(name)``: chat folder ``name``'s tokenizer and its chat format
+    adopted as a load adopts it, loaded once per worker and shared."""
     loaded = {}
 
     def load(name: str):
         if name not in loaded:
             tokenizer = load_tokenizer(folders[name])
             config = json.loads((folders[name] / "config.json").read_text())
-            chat_format = make_chat_format(tokenizer, config)
-            for token in chat_format.end_tokens:
-                tokenizer.add_eos_token(token)
-            loaded[name] = tokenizer, chat_format
+            loaded[name] = tokenizer, adopt_chat_format(tokenizer, config)
         return loaded[name]
 
     return load
 
 
 @pytest.fixture(scope="session")
-def chat_tokenizers(chat_models) -> Callable:
-    """``chat_tokenizers(name)``: ``chat_models(name)``'s tokenizer."""
-    return lambda name: chat_models(name)[0]
-
-
-@pytest.fixture(scope="session")
-def chat_tokenizer(chat_tokenizers):
+def chat_tokenizer(chat_models):
     """The ``json`` chat model's tokenizer."""
-    return chat_tokenizers("json")
+    return chat_models("json")[0]
 
 
 @pytest.fixture(scope="session")

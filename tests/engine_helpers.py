@@ -20,12 +20,16 @@ from python_utils import parse_options
 from tests.support import QUESTION
 
 
-def load_engine(*options: str, draft: str = "", model: str = "") -> Engine:
-    """An engine serving ``model`` (a folder; "" is the embedded default)."""
+def load_engine(
+    *options: str, draft: str = "", model: str = "", model_path: str = ""
+) -> Engine:
+    """An engine serving ``model`` (a folder; "" is the embedded default), whose
+    model folder (LocalAI's ModelPath) is ``model_path``."""
     engine = Engine()
     plan = LoadPlan(
         model=model,
         identity=model or "default",
+        model_path=model_path,
         draft=draft,
         options=parse_options(list(options)),
     )

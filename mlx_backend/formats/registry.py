@@ -233,6 +233,17 @@ def make_chat_format(
     )
 
 
+def adopt_chat_format(
+    tokenizer, config: Mapping, tool_parser: str = "", reasoning: str = ""
+) -> ChatFormat:
+    """``make_chat_format``, with the format's end tokens added to the tokenizer's
+    end-of-sequence tokens, so that a reply stops at them."""
+    chat_format = make_chat_format(tokenizer, config, tool_parser, reasoning)
+    for token in chat_format.end_tokens:
+        tokenizer.add_eos_token(token)
+    return chat_format
+
+
 def _present(signals: Signals, tokens: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(t for t in tokens if t in signals.vocab)
 

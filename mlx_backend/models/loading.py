@@ -19,7 +19,7 @@ from mlx_backend.cpu.kernels import use_kernels
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.formats.base import ChatFormat
 from mlx_backend.formats.grammars import has_call_grammar
-from mlx_backend.formats.registry import make_chat_format
+from mlx_backend.formats.registry import adopt_chat_format
 from mlx_backend.grammar import GrammarCompiler
 from mlx_backend.models.checks import (
     check_chat_template,
@@ -387,11 +387,9 @@ def prepare_model(
     logger.info("compute path: %s", compute_path.description)
     config_limit = loaded.config.get("max_position_embeddings") or 4096
     vocab_size = loaded.config.get("vocab_size") or len(loaded.tokenizer.vocab)
-    chat_format = make_chat_format(
+    chat_format = adopt_chat_format(
         loaded.tokenizer, loaded.config, options.tool_parser, options.reasoning
     )
-    for token in chat_format.end_tokens:
-        loaded.tokenizer.add_eos_token(token)
     logger.info("chat format: %s", chat_format.description)
     if not has_call_grammar(chat_format):
         logger.warning(

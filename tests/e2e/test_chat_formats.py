@@ -1,6 +1,6 @@
 """Every chat format end to end over gRPC, unary and streaming: each family's chat
-model (tests/chat_models.py ``FAMILIES``: the default weights with the family's
-real chat template and marker tokens) generates the family's exact reply (forced
+model (tests/chat_models.py ``FAMILIES``: a tiny llama with the default tokenizer,
+the family's real chat template and marker tokens) generates the family's exact reply (forced
 tokens, through the real generation loop), and the client gets it structured."""
 
 import json
@@ -27,7 +27,7 @@ def merged(chat_deltas) -> tuple:
 
 @pytest.mark.parametrize("name, i", CASES)
 def test_each_family_streams_what_predict_returns(
-    server, folders, chat_tokenizers, name, i
+    server, folders, chat_models, name, i
 ):
     family = FAMILIES[name]
     if server.test_model != name:
@@ -36,7 +36,7 @@ def test_each_family_streams_what_predict_returns(
         assert f"chat format {family.format}" in result.message
         server.test_model = name
     expected = family.replies[i]
-    tokenizer = chat_tokenizers(name)
+    tokenizer = chat_models(name)[0]
     tokens = tokenizer.encode(expected.text, add_special_tokens=False)
     request = pb.PredictOptions(
         UseTokenizerTemplate=True,

@@ -1,8 +1,8 @@
 """End to end over gRPC: structured output, reasoning and tool calls in the
-replies' ChatDeltas, on a real server with the real weights.
+replies' ChatDeltas, on a real server.
 
-The chat models (conftest's ``folders``) are the default weights exported with
-marker tokens and a Qwen-style chat template. The server runs ``ForcingServicer``:
+The chat models (conftest's ``folders``) are a tiny llama with the default
+tokenizer, marker tokens and a Qwen-style chat template. The server runs ``ForcingServicer``:
 a request's ``Metadata["forced_tokens"]`` makes the model generate exactly the
 tokens a test names.
 """
@@ -165,9 +165,9 @@ def test_a_prompt_that_opens_thinking_streams_reasoning_first(
     assert summary(server.stub.Predict(off).chat_deltas) == ("It is sunny.", "", ())
 
 
-def test_qwen3_coder_tool_calls(server, folders, chat_tokenizers):
+def test_qwen3_coder_tool_calls(server, folders, chat_models):
     load(server, folders, "coder")
-    coder = chat_tokenizers("coder")
+    coder = chat_models("coder")[0]
     call = (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"

@@ -70,10 +70,10 @@ THOUGHTS = {
 
 @pytest.mark.parametrize("name", THOUGHTS)
 def test_each_reasoning_framing_keeps_its_reasoning_under_a_schema(
-    server, folders, chat_tokenizers, name
+    server, folders, chat_models, name
 ):
     load(server, str(folders[name]))
-    tokenizer = chat_tokenizers(name)
+    tokenizer = chat_models(name)[0]
     thought, kwargs = THOUGHTS[name]
     schema = {
         "type": "object",

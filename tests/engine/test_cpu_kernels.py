@@ -59,7 +59,7 @@ def float32_decodes(engines):
     """The float32 path's greedy decodes of PROMPTS, as one batch of 8 (one at a
     time it differs from the batch by ~0.003 in a logprob, and costs 8 times the
     steps)."""
-    kernels, float32 = engines
+    _, float32 = engines
     assert float32.info.compute_path.dequantized_bytes > 0
     return decode(float32, BatchDecoder, [chat_prompt(float32, q) for q in PROMPTS])
 

@@ -13,10 +13,14 @@ import mlx_backend.caches.prompt_files as pcf
 from mlx_backend.caches.prompt_files import load_state
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
-from mlx_backend.models.loading import LoadPlan
 from mlx_backend.request_parsing import parse_generation
-from python_utils import parse_options
-from tests.engine_helpers import on_engine_thread, run, stats_after, text_of
+from tests.engine_helpers import (
+    load_engine,
+    on_engine_thread,
+    run,
+    stats_after,
+    text_of,
+)
 from tests.support import QUESTION, QUESTIONS
 
 SYSTEM = " ".join(
@@ -30,15 +34,7 @@ def files_engine(tiny_llama):
     whose model folder (LocalAI's ModelPath) is ``model_path``."""
 
     def load(model_path: Path, *options: str) -> Engine:
-        engine = Engine()
-        plan = LoadPlan(
-            model=str(tiny_llama),
-            identity=str(tiny_llama),
-            model_path=str(model_path),
-            options=parse_options(list(options)),
-        )
-        engine.load(plan).result()
-        return engine
+        return load_engine(*options, model=str(tiny_llama), model_path=str(model_path))
 
     return load
 
