@@ -31,6 +31,7 @@ from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
 from tests.family_models import make_family_folder
 from tests.support import Server, start_default_server
+from tests.tiny_models import make_short_default
 
 KINDS = ("unit", "engine", "e2e")
 TESTS = Path(__file__).resolve().parent
@@ -225,6 +226,13 @@ def tiny_llama(family_folder) -> Path:
     the default model's tokenizer and chat template: for tests of mechanics, not of
     what the weights say."""
     return family_folder("llama")
+
+
+@pytest.fixture(scope="session")
+def short_default(tmp_path_factory) -> Path:
+    """The default model's first 4 layers (tests/tiny_models.py), saved once per run:
+    its shapes and quantization for tests that need them, not its answers."""
+    return built_once(tmp_path_factory, "short-default", make_short_default)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Tiny llamas that tests build: the config (``TINY_LLAMA``); a random draft model
 with the default model's tokenizer (``make_tiny_draft``) and ``FLAT``, the
-speculative decoders' costs tests run drafts with; and the same random tiny llama
-on every call (``tiny_model``) with LoRA adapters for it (``write_adapter``)."""
+speculative decoders' costs tests run drafts with; the default model's first
+layers alone (``make_short_default``); and the same random tiny llama on every
+call (``tiny_model``) with LoRA adapters for it (``write_adapter``)."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from mlx_backend.models.gguf import save_tokenizer
+from mlx_backend.models.gguf import export_mlx_folder, save_tokenizer
 from mlx_backend.models.loading import default_model_path
 
 # Speculative decoders' costs where every k costs one pass: each step verifies all
@@ -72,6 +73,28 @@ def make_tiny_draft(
             }
         )
         path.write_text(json.dumps(tokenizer))
+    return folder
+
+
+def make_short_default(folder: Path, layers: int = 4) -> Path:
+    """The embedded model's first ``layers`` layers, its embedding and its tokenizer,
+    exported as an MLX folder: the default model's shapes and quantization (9 query
+    heads, 3 KV heads, 4-bit weights in groups of 32) at a fraction of its passes."""
+    export_mlx_folder(default_model_path(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    dropped = tuple(f"model.layers.{i}." for i in range(layers, 64))
+
+    def kept(name: str) -> bool:
+        return not f"{name}.".startswith(dropped)
+
+    config["num_hidden_layers"] = layers
+    config["quantization"] = {
+        k: v for k, v in config["quantization"].items() if kept(k)
+    }
+    path = str(folder / "model.safetensors")
+    weights = {k: v for k, v in mx.load(path).items() if kept(k)}
+    mx.save_safetensors(path, weights, {"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 

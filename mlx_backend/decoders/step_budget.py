@@ -28,9 +28,12 @@ PREFILL_SHARE = 2 / 3
 # Prompt tokens per prefilling row and step at least, however many rows or how
 # deep the context.
 MIN_CHUNK = 16
-# The load-time measurement's chunks: the first warms up, each later pair gives a
+# The load-time measurement's chunks: the first warms up, the later ones give a
 # pass's fixed cost and a token's; the quickest of each size counts.
 MEASURE_CHUNKS = (16, 16, 64, 16, 64)
+# Once each size has been timed, the chunks stop after this long (MLX's stock
+# BLAS on 2 cores: 6 s for a chunk of 64).
+MEASURE_SECONDS = 1.0
 MEASURE_DECODE_STEPS = 4
 
 
@@ -49,20 +52,30 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
     """Timed on a fresh cache: prefill chunks of two sizes, then decode steps."""
     cache = make_kv_cache(model, options)
     prompt = mx.array([[(7 * i) % 97 + 1 for i in range(sum(MEASURE_CHUNKS))]])
-    seconds, start = [], 0
-    for size in MEASURE_CHUNKS:
-        mx.reset_peak_memory()
-        before = mx.get_active_memory()
+    start = 0
+
+    def prefill(size: int) -> float:
+        nonlocal start
         tic = time.perf_counter()
         model(prompt[:, start : start + size], cache=cache)
         mx.eval([layer.state for layer in cache])
-        seconds.append(time.perf_counter() - tic)
         start += size
+        return time.perf_counter() - tic
+
+    prefill(MEASURE_CHUNKS[0])
+    timed, seconds = [], []
+    for size in MEASURE_CHUNKS[1:]:
+        if set(timed) == set(MEASURE_CHUNKS) and sum(seconds) > MEASURE_SECONDS:
+            break
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        seconds.append(prefill(size))
+        timed.append(size)
     added = mx.get_active_memory() - before
     peak = max(mx.get_peak_memory() - before - added, 0)
-    small, large = min(MEASURE_CHUNKS), max(MEASURE_CHUNKS)
+    small, large = min(timed), max(timed)
     quickest = {
-        size: min(s for n, s in zip(MEASURE_CHUNKS[1:], seconds[1:]) if n == size)
+        size: min(s for n, s in zip(timed, seconds) if n == size)
         for size in (small, large)
     }
     token_s = max((quickest[large] - quickest[small]) / (large - small), 1e-9)

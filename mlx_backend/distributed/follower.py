@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_backend.decoders.base import NewSequence, thread_stream
 from mlx_backend.distributed.group import (
     GroupSettings,
+    call_doorbell,
     check_in,
     init_group,
     share_cores,
@@ -171,7 +172,7 @@ def run_worker(settings: GroupSettings, retry_seconds: float = 1.0) -> int:
     the group, then follow rank 0 until it exits; the process's exit status."""
     group = None
     while group is None:
-        check_in(settings)
+        port = check_in(settings)
         # After the check-in rank 0 joins at once; a worker that still can't
         # reach it checks in again.
         for _ in range(3):
@@ -183,9 +184,15 @@ def run_worker(settings: GroupSettings, retry_seconds: float = 1.0) -> int:
                 time.sleep(retry_seconds)
     logger.info("rank %d of %d joined the group", group.rank(), group.size())
     share_cores(settings, group.rank())
+    doorbell = None
     try:
-        Follower(Lockstep(group)).run()
+        if port is not None:
+            doorbell = call_doorbell(settings, port)
+        Follower(Lockstep(group, doorbell=doorbell)).run()
     except Exception as e:
         logger.error("rank %d: leaving the group: %s", group.rank(), e)
         return LOST
+    finally:
+        if doorbell is not None:
+            doorbell.close()
     return 0

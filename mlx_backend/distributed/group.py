@@ -1,6 +1,7 @@
 """Joining an MLX distributed group: the group's settings (from the load options,
 MLX's environment or a worker's flags), the check-in that gathers the workers at
-rank 0 before MLX connects them, and the cores the ranks on one machine share."""
+rank 0 before MLX connects them, the doorbell that wakes them for each step, and
+the cores the ranks on one machine share."""
 
 import json
 import logging
@@ -25,6 +26,8 @@ BACKEND_ENV = "MLX_DISTRIBUTED_BACKEND"
 HOSTFILE_LIMIT = 1 << 20
 # What a worker sends rank 0 before the group forms, followed by its rank.
 CHECK_IN = b"mlx-backend-worker"
+# Rank 0's answer to a check-in, followed by its doorbell's port (2 bytes).
+GO = b"go"
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,10 @@ def _read(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def gather_workers(settings: GroupSettings) -> None:
+def gather_workers(settings: GroupSettings) -> socket.socket | None:
     """Rank 0: wait until every worker of a ring has checked in at rank 0's
-    address, then let them all join.
+    address, then let them all join; the doorbell's listener, whose port the
+    workers were given (None without a check-in: MPI).
 
     MLX's ``init`` holds the interpreter lock while it waits for missing ranks, so
     the whole backend would hang with it; this check-in waits without the lock,
@@ -144,10 +148,11 @@ def gather_workers(settings: GroupSettings) -> None:
     """
     found = _rank0_address(settings)
     if found is None:
-        return
+        return None
     host, port, size = found
     checked_in: dict[int, socket.socket] = {}
     deadline = time.monotonic() + settings.timeout
+    bell = None
     try:
         with socket.create_server((host, port)) as server:
             server.settimeout(0.2)
@@ -164,57 +169,155 @@ def gather_workers(settings: GroupSettings) -> None:
                 try:
                     conn, _ = server.accept()
                     conn.settimeout(2)
-                    hello = _read(conn, len(CHECK_IN) + 4)
+                    rank = _read_check_in(conn, size)
                 except OSError:
                     continue
-                rank = int.from_bytes(hello[len(CHECK_IN) :], "little")
-                if not hello.startswith(CHECK_IN) or not 0 < rank < size:
+                if rank is None:
                     conn.close()
                     continue
                 if rank in checked_in:
                     checked_in[rank].close()
                 checked_in[rank] = conn
+        bell = socket.create_server((host, 0))
+        go = GO + bell.getsockname()[1].to_bytes(2, "little")
         # Closed before the workers go: their MLX connections must reach MLX's
         # listener, not this one's backlog.
         for conn in checked_in.values():
-            conn.sendall(b"go")
+            conn.sendall(go)
         # Workers hang up first, so rank 0's port is free for MLX at once.
         for conn in checked_in.values():
             try:
                 conn.recv(1)
             except OSError:
                 pass
+        return bell
+    except BaseException:
+        if bell is not None:
+            bell.close()
+        raise
     finally:
         for conn in checked_in.values():
             conn.close()
 
 
-def check_in(settings: GroupSettings, retry_seconds: float = 0.5) -> None:
-    """A worker: wait until rank 0 lets the group join (see ``gather_workers``)."""
+def _read_check_in(conn: socket.socket, size: int) -> int | None:
+    """The rank a worker's check-in names; None for anything else."""
+    hello = _read(conn, len(CHECK_IN) + 4)
+    rank = int.from_bytes(hello[len(CHECK_IN) :], "little")
+    if not hello.startswith(CHECK_IN) or not 0 < rank < size:
+        return None
+    return rank
+
+
+def check_in(settings: GroupSettings, retry_seconds: float = 0.5) -> int | None:
+    """A worker: wait until rank 0 lets the group join (see ``gather_workers``);
+    the port of rank 0's doorbell (None without a check-in: MPI)."""
     found = _rank0_address(settings)
     if found is None:
-        return
+        return None
     host, port, _ = found
     while True:
         try:
             with socket.create_connection((host, port), timeout=2) as conn:
                 conn.sendall(CHECK_IN + settings.rank.to_bytes(4, "little"))
                 conn.settimeout(None)
-                if _read(conn, 2) == b"go":
-                    return
+                go = _read(conn, len(GO) + 2)
+                if go.startswith(GO):
+                    return int.from_bytes(go[len(GO) :], "little")
         except OSError:
             pass
         time.sleep(retry_seconds)
 
 
-def join_group(settings: GroupSettings) -> mx.distributed.Group:
-    """Rank 0's group, once every worker is up."""
+class Doorbell:
+    """Wakes the workers before each of rank 0's broadcasts. MLX's ring backend
+    polls its sockets while a receive is pending, so a worker waiting in a
+    collective for rank 0's next step would keep a core busy, idle or not (and
+    ranks sharing a machine would take turns on its cores); a worker sleeps on
+    its doorbell instead, and enters the collective once rank 0 rings."""
+
+    def __init__(self, sockets: list[socket.socket]):
+        self._sockets = sockets
+
+    def ring(self) -> None:
+        """Rank 0: one ring for each broadcast. A lost worker is found by the
+        collective, not here."""
+        for conn in self._sockets:
+            try:
+                conn.send(b"\x01")
+            except OSError:
+                pass
+
+    def wait(self) -> None:
+        """A worker: until rank 0 rings; ConnectionError once rank 0 is gone."""
+        if not self._sockets[0].recv(1):
+            raise ConnectionError("rank 0 is gone")
+
+    def close(self) -> None:
+        for conn in self._sockets:
+            conn.close()
+
+
+def answer_doorbells(
+    bell: socket.socket, settings: GroupSettings, size: int
+) -> Doorbell:
+    """Rank 0: take every worker's doorbell connection, made once the group has
+    formed, within ``settings.timeout``."""
+    conns: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + settings.timeout
+    try:
+        with bell:
+            while len(conns) < size - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, size)) - set(conns))
+                    raise Unavailable(
+                        f"rank {missing[0]} of the distributed group joined MLX's "
+                        f"group but not its doorbell within {settings.timeout:g} s"
+                    )
+                bell.settimeout(left)
+                try:
+                    conn, _ = bell.accept()
+                    conn.settimeout(2)
+                    rank = _read_check_in(conn, size)
+                except OSError:
+                    continue
+                if rank is None:
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conns[rank] = conn
+    except BaseException:
+        for conn in conns.values():
+            conn.close()
+        raise
+    return Doorbell([conns[rank] for rank in sorted(conns)])
+
+
+def call_doorbell(settings: GroupSettings, port: int) -> Doorbell:
+    """A worker, once the group has formed: connect to rank 0's doorbell."""
+    host, _, _ = _rank0_address(settings)
+    conn = socket.create_connection((host, port), timeout=10)
+    conn.sendall(CHECK_IN + settings.rank.to_bytes(4, "little"))
+    conn.settimeout(None)
+    return Doorbell([conn])
+
+
+def join_group(settings: GroupSettings) -> tuple[mx.distributed.Group, Doorbell | None]:
+    """Rank 0's group, once every worker is up, and its doorbell (None for MPI)."""
     if settings.backend != "mpi" and settings.hostfile:
         check_hostfile(Path(settings.hostfile))
-    gather_workers(settings)
-    group = init_group(settings)
+    bell = gather_workers(settings)
+    try:
+        group = init_group(settings)
+    except BaseException:
+        if bell is not None:
+            bell.close()
+        raise
     share_cores(settings, group.rank())
-    return group
+    doorbell = None if bell is None else answer_doorbells(bell, settings, group.size())
+    return group, doorbell
 
 
 def check_hostfile(path: Path) -> None:

@@ -249,11 +249,11 @@ def join_leader(options: LoadOptions, environ) -> Leader | None:
     settings = leader_settings(options, environ)
     if settings is None:
         return None
-    group = join_group(settings)
+    group, doorbell = join_group(settings)
     logger.info(
         "rank 0 of a %s group of %d ranks (%s)",
         settings.backend,
         group.size(),
         settings.hostfile,
     )
-    return Leader(Lockstep(group))
+    return Leader(Lockstep(group, doorbell=doorbell))

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_backend.decoders.base import StepResult, thread_stream
+from mlx_backend.distributed.group import Doorbell
 from mlx_backend.errors import Unavailable
 from mlx_backend.models.loading import LoadPlan
 from mlx_backend.refusals import Described, describe_error
@@ -119,8 +120,14 @@ class Lockstep:
     receive them. Both number the KV states their decoders hand out between two
     broadcasts the same way, so an op can name one (``Keep.ref``)."""
 
-    def __init__(self, group: mx.distributed.Group, stall_seconds: float = 20.0):
+    def __init__(
+        self,
+        group: mx.distributed.Group,
+        stall_seconds: float = 20.0,
+        doorbell: Doorbell | None = None,
+    ):
         self.group = group
+        self.doorbell = doorbell
         self.rank = group.rank()
         self.size = group.size()
         self.broken: str | None = None
@@ -169,6 +176,8 @@ class Lockstep:
         payload = pickle.dumps(self._ops, protocol=pickle.HIGHEST_PROTOCOL)
         self._ops = []
         self.forget_states()
+        if self.doorbell is not None:
+            self.doorbell.ring()
         try:
             sent = self._broadcast(payload)
             if wait:
@@ -205,6 +214,8 @@ class Lockstep:
 
     def receive(self) -> list:
         """The next ops from rank 0 (blocks until rank 0 sends)."""
+        if self.doorbell is not None:
+            self.doorbell.wait()
         return pickle.loads(self._broadcast(None))
 
     def forget_states(self) -> None:

@@ -218,7 +218,12 @@ def test_score_batches_candidates_of_different_lengths_exactly(server):
         assert scored.log_prob == pytest.approx(alone.log_prob, abs=1e-3)
 
 
-def test_long_scores_run_between_decode_steps(server):
+def test_long_scores_run_between_decode_steps(server, tiny_llama):
+    # On the tiny llama: the interleaving is under test, not the weights.
+    def load():
+        result = server.stub.LoadModel(pb.ModelOptions(Model=str(tiny_llama)))
+        assert result.success, result.message
+
     # A prompt of several prefill chunks, and candidates too long for one group.
     prompt = "The old lighthouse keeper wrote in his log every night. " * 50
     candidates = [
@@ -226,15 +231,23 @@ def test_long_scores_run_between_decode_steps(server):
         for i in range(5)
     ]
     request = pb.ScoreRequest(prompt=prompt, candidates=candidates)
-    stream = server.stub.PredictStream(chat())
-    score = server.stub.Score(request)
-    assert "".join(r.message.decode() for r in stream) == ANSWER
-    # A reload empties the prompt cache, so the prompt is prefilled afresh.
-    server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
-    alone = [
-        server.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=[c])).candidates[0]
-        for c in candidates
-    ]
+    streamed = chat(Tokens=64, IgnoreEOS=True)
+    load()
+    try:
+        expected = server.stub.Predict(streamed).message.decode()
+        stream = server.stub.PredictStream(streamed)
+        score = server.stub.Score(request)
+        assert "".join(r.message.decode() for r in stream) == expected
+        # A reload empties the prompt cache, so the prompt is prefilled afresh.
+        load()
+        alone = [
+            server.stub.Score(
+                pb.ScoreRequest(prompt=prompt, candidates=[c])
+            ).candidates[0]
+            for c in candidates
+        ]
+    finally:
+        server.stub.LoadModel(pb.ModelOptions(Model=MODEL))
     assert [c.num_tokens for c in score.candidates] == [c.num_tokens for c in alone]
     for together, solo in zip(score.candidates, alone):
         assert together.log_prob == pytest.approx(solo.log_prob, abs=1e-2)

@@ -1,6 +1,7 @@
 """Distributed serving's settings and splits, without processes: rank 0's and the
 workers' group settings, the distributed options, the check-in before the group
-forms (over loopback sockets), the tensor or pipeline split, and BLAS threads."""
+forms and the doorbell after (over loopback sockets), the tensor or pipeline
+split, and BLAS threads."""
 
 import dataclasses
 import json
@@ -11,6 +12,8 @@ import pytest
 from mlx_backend.cpu.blas import blas_threads, set_blas_threads
 from mlx_backend.distributed.group import (
     GroupSettings,
+    answer_doorbells,
+    call_doorbell,
     check_in,
     gather_workers,
     group_environment,
@@ -71,8 +74,10 @@ def test_bad_distributed_options_are_invalid_argument():
             parse_options([option])
 
 
-def test_workers_check_in_before_the_group_forms(tmp_path):
-    """The check-in that precedes MLX's init, over loopback sockets alone."""
+def test_workers_check_in_before_the_group_forms_then_wait_on_the_doorbell(tmp_path):
+    """The check-in that precedes MLX's init and the doorbell that follows it, over
+    loopback sockets alone: a worker wakes once for each ring, and learns that
+    rank 0 is gone when its doorbell closes."""
     ring = write_hostfile(tmp_path, 3)
     devices = tmp_path / "devices.json"
     devices.write_text(json.dumps([[None, "rdma_en2"], ["rdma_en2", None]]))
@@ -80,21 +85,53 @@ def test_workers_check_in_before_the_group_forms(tmp_path):
     (coordinator,) = json.loads(write_hostfile(tmp_path, 1).read_text())[0]
     for backend, hostfile, ranks in (("ring", ring, 3), ("jaccl", devices, 2)):
         settings = GroupSettings(backend, str(hostfile), coordinator=coordinator)
+        woken: list[str] = []
+
+        def worker(rank: int):
+            own = dataclasses.replace(settings, rank=rank)
+            doorbell = call_doorbell(own, check_in(own, 0.05))
+            try:
+                for _ in range(2):
+                    doorbell.wait()
+                    woken.append(f"{rank} woke")
+                doorbell.wait()
+            except ConnectionError as e:
+                woken.append(f"{rank}: {e}")
+            finally:
+                doorbell.close()
+
         workers = [
-            threading.Thread(
-                target=check_in, args=(dataclasses.replace(settings, rank=rank), 0.05)
-            )
-            for rank in range(1, ranks)
+            threading.Thread(target=worker, args=(rank,)) for rank in range(1, ranks)
         ]
-        for worker in workers:
-            worker.start()
-        gather_workers(dataclasses.replace(settings, timeout=10))
-        for worker in workers:
-            worker.join(10)
-            assert not worker.is_alive()
+        for thread in workers:
+            thread.start()
+        timed = dataclasses.replace(settings, timeout=10)
+        doorbell = answer_doorbells(gather_workers(timed), timed, ranks)
+        doorbell.ring()
+        doorbell.ring()
+        doorbell.close()
+        for thread in workers:
+            thread.join(10)
+            assert not thread.is_alive()
+        for rank in range(1, ranks):
+            assert [w for w in woken if w.startswith(str(rank))] == [
+                f"{rank} woke",
+                f"{rank} woke",
+                f"{rank}: rank 0 is gone",
+            ]
     # No worker comes: the message names the ranks.
     with pytest.raises(Unavailable, match="ranks 1, 2 of the distributed group"):
         gather_workers(GroupSettings("ring", str(ring), timeout=1))
+    # A worker checks in but never calls the doorbell.
+    settings = GroupSettings("ring", str(write_hostfile(tmp_path, 2)))
+    worker = threading.Thread(
+        target=check_in, args=(dataclasses.replace(settings, rank=1), 0.05)
+    )
+    worker.start()
+    bell = gather_workers(dataclasses.replace(settings, timeout=10))
+    worker.join(10)
+    with pytest.raises(Unavailable, match="rank 1 .* not its doorbell within 0.2 s"):
+        answer_doorbells(bell, dataclasses.replace(settings, timeout=0.2), 2)
 
 
 class _Args:
