@@ -32,7 +32,7 @@ MIN_CHUNK = 16
 # pass's fixed cost and a token's; the quickest of each size counts.
 MEASURE_CHUNKS = (16, 16, 64, 16, 64)
 # Once each size has been timed, the chunks stop after this long (MLX's stock
-# BLAS on 2 cores: 6 s for a chunk of 64).
+# BLAS on 2 cores: 6 s for a chunk of 64, 12 s for them all).
 MEASURE_SECONDS = 1.0
 MEASURE_DECODE_STEPS = 4
 
@@ -63,9 +63,12 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
         return time.perf_counter() - tic
 
     prefill(MEASURE_CHUNKS[0])
+    small, large = min(MEASURE_CHUNKS), max(MEASURE_CHUNKS)
     timed, seconds = [], []
     for size in MEASURE_CHUNKS[1:]:
-        if set(timed) == set(MEASURE_CHUNKS) and sum(seconds) > MEASURE_SECONDS:
+        # Only after a large chunk: the memory peak is the last chunk's.
+        done = set(timed) == {small, large} and timed[-1] == large
+        if done and sum(seconds) > MEASURE_SECONDS:
             break
         mx.reset_peak_memory()
         before = mx.get_active_memory()
@@ -73,7 +76,6 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
         timed.append(size)
     added = mx.get_active_memory() - before
     peak = max(mx.get_peak_memory() - before - added, 0)
-    small, large = min(timed), max(timed)
     quickest = {
         size: min(s for n, s in zip(timed, seconds) if n == size)
         for size in (small, large)

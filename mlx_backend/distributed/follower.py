@@ -12,7 +12,6 @@ import mlx.core as mx
 from mlx_backend.decoders.base import NewSequence, thread_stream
 from mlx_backend.distributed.group import (
     GroupSettings,
-    call_doorbell,
     check_in,
     init_group,
     share_cores,
@@ -172,7 +171,7 @@ def run_worker(settings: GroupSettings, retry_seconds: float = 1.0) -> int:
     the group, then follow rank 0 until it exits; the process's exit status."""
     group = None
     while group is None:
-        port = check_in(settings)
+        doorbell = check_in(settings)
         # After the check-in rank 0 joins at once; a worker that still can't
         # reach it checks in again.
         for _ in range(3):
@@ -182,12 +181,11 @@ def run_worker(settings: GroupSettings, retry_seconds: float = 1.0) -> int:
             except RuntimeError as e:
                 logger.info("rank %d: joining failed (%s); retrying", settings.rank, e)
                 time.sleep(retry_seconds)
+        if group is None and doorbell is not None:
+            doorbell.close()
     logger.info("rank %d of %d joined the group", group.rank(), group.size())
     share_cores(settings, group.rank())
-    doorbell = None
     try:
-        if port is not None:
-            doorbell = call_doorbell(settings, port)
         Follower(Lockstep(group, doorbell=doorbell)).run()
     except Exception as e:
         logger.error("rank %d: leaving the group: %s", group.rank(), e)

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ HOSTFILE_LIMIT = 1 << 20
 CHECK_IN = b"mlx-backend-worker"
 # Rank 0's answer to a check-in, followed by its doorbell's port (2 bytes).
 GO = b"go"
+DOORBELL = "connect to rank 0's doorbell port"
 
 
 @dataclass(frozen=True)
@@ -137,98 +139,6 @@ def _read(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def gather_workers(settings: GroupSettings) -> socket.socket | None:
-    """Rank 0: wait until every worker of a ring has checked in at rank 0's
-    address, then let them all join; the doorbell's listener, whose port the
-    workers were given (None without a check-in: MPI).
-
-    MLX's ``init`` holds the interpreter lock while it waits for missing ranks, so
-    the whole backend would hang with it; this check-in waits without the lock,
-    for ``settings.timeout`` at most, and names the ranks that never came.
-    """
-    found = _rank0_address(settings)
-    if found is None:
-        return None
-    host, port, size = found
-    checked_in: dict[int, socket.socket] = {}
-    deadline = time.monotonic() + settings.timeout
-    bell = None
-    try:
-        with socket.create_server((host, port)) as server:
-            server.settimeout(0.2)
-            while len(checked_in) < size - 1:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(1, size)) - set(checked_in))
-                    names = ", ".join(str(rank) for rank in missing)
-                    ranks = "ranks" if len(missing) > 1 else "rank"
-                    raise Unavailable(
-                        f"{ranks} {names} of the distributed group ({settings.hostfile}) "
-                        f"did not join within {settings.timeout:g} s: start each "
-                        "worker with run.sh --worker --hostfile HOSTFILE --rank N"
-                    )
-                try:
-                    conn, _ = server.accept()
-                    conn.settimeout(2)
-                    rank = _read_check_in(conn, size)
-                except OSError:
-                    continue
-                if rank is None:
-                    conn.close()
-                    continue
-                if rank in checked_in:
-                    checked_in[rank].close()
-                checked_in[rank] = conn
-        bell = socket.create_server((host, 0))
-        go = GO + bell.getsockname()[1].to_bytes(2, "little")
-        # Closed before the workers go: their MLX connections must reach MLX's
-        # listener, not this one's backlog.
-        for conn in checked_in.values():
-            conn.sendall(go)
-        # Workers hang up first, so rank 0's port is free for MLX at once.
-        for conn in checked_in.values():
-            try:
-                conn.recv(1)
-            except OSError:
-                pass
-        return bell
-    except BaseException:
-        if bell is not None:
-            bell.close()
-        raise
-    finally:
-        for conn in checked_in.values():
-            conn.close()
-
-
-def _read_check_in(conn: socket.socket, size: int) -> int | None:
-    """The rank a worker's check-in names; None for anything else."""
-    hello = _read(conn, len(CHECK_IN) + 4)
-    rank = int.from_bytes(hello[len(CHECK_IN) :], "little")
-    if not hello.startswith(CHECK_IN) or not 0 < rank < size:
-        return None
-    return rank
-
-
-def check_in(settings: GroupSettings, retry_seconds: float = 0.5) -> int | None:
-    """A worker: wait until rank 0 lets the group join (see ``gather_workers``);
-    the port of rank 0's doorbell (None without a check-in: MPI)."""
-    found = _rank0_address(settings)
-    if found is None:
-        return None
-    host, port, _ = found
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=2) as conn:
-                conn.sendall(CHECK_IN + settings.rank.to_bytes(4, "little"))
-                conn.settimeout(None)
-                go = _read(conn, len(GO) + 2)
-                if go.startswith(GO):
-                    return int.from_bytes(go[len(GO) :], "little")
-        except OSError:
-            pass
-        time.sleep(retry_seconds)
-
-
 class Doorbell:
     """Wakes the workers before each of rank 0's broadcasts. MLX's ring backend
     polls its sockets while a receive is pending, so a worker waiting in a
@@ -258,65 +168,142 @@ class Doorbell:
             conn.close()
 
 
-def answer_doorbells(
-    bell: socket.socket, settings: GroupSettings, size: int
-) -> Doorbell:
-    """Rank 0: take every worker's doorbell connection, made once the group has
-    formed, within ``settings.timeout``."""
-    conns: dict[int, socket.socket] = {}
+def gather_workers(settings: GroupSettings) -> Doorbell | None:
+    """Rank 0: wait until every worker of a ring has checked in at rank 0's
+    address, let them all join, and take their doorbell connections; the
+    doorbell (None without a check-in: MPI).
+
+    MLX's ``init`` holds the interpreter lock while it waits for missing ranks, so
+    the whole backend would hang with it; this check-in waits without the lock,
+    for ``settings.timeout`` at most, and names the ranks that never came. Every
+    connection is made before ``init``: once MLX's group has formed, it is kept
+    for the process's life, and a failure then would need a restart.
+    """
+    found = _rank0_address(settings)
+    if found is None:
+        return None
+    host, port, size = found
     deadline = time.monotonic() + settings.timeout
+
+    def late(ranks: dict[int, socket.socket], what: str) -> Unavailable:
+        missing = sorted(set(range(1, size)) - set(ranks))
+        names = ", ".join(str(rank) for rank in missing)
+        return Unavailable(
+            f"{'ranks' if len(missing) > 1 else 'rank'} {names} of the distributed "
+            f"group ({settings.hostfile}) did not {what} within "
+            f"{settings.timeout:g} s: start each worker with run.sh --worker "
+            "--hostfile HOSTFILE --rank N"
+        )
+
+    checked_in: dict[int, socket.socket] = {}
+    rung: dict[int, socket.socket] = {}
     try:
-        with bell:
-            while len(conns) < size - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(1, size)) - set(conns))
-                    raise Unavailable(
-                        f"rank {missing[0]} of the distributed group joined MLX's "
-                        f"group but not its doorbell within {settings.timeout:g} s"
-                    )
-                bell.settimeout(left)
+        with socket.create_server((host, port)) as server:
+            _take_ranks(server, checked_in, size, deadline, late, "join")
+        # Closed before the workers go: their MLX connections must reach MLX's
+        # listener, not this one's backlog.
+        with socket.create_server((host, 0)) as bell:
+            go = GO + bell.getsockname()[1].to_bytes(2, "little")
+            for conn in checked_in.values():
+                conn.sendall(go)
+            # Workers hang up first, so rank 0's port is free for MLX at once.
+            for conn in checked_in.values():
                 try:
-                    conn, _ = bell.accept()
-                    conn.settimeout(2)
-                    rank = _read_check_in(conn, size)
+                    conn.recv(1)
                 except OSError:
-                    continue
-                if rank is None:
-                    conn.close()
-                    continue
-                conn.settimeout(None)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conns[rank] = conn
+                    pass
+            # Workers connect as soon as they read "go".
+            soon = time.monotonic() + min(settings.timeout, 5.0)
+            _take_ranks(bell, rung, size, max(deadline, soon), late, DOORBELL)
     except BaseException:
-        for conn in conns.values():
+        for conn in rung.values():
             conn.close()
         raise
-    return Doorbell([conns[rank] for rank in sorted(conns)])
+    finally:
+        for conn in checked_in.values():
+            conn.close()
+    for conn in rung.values():
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Doorbell([rung[rank] for rank in sorted(rung)])
 
 
-def call_doorbell(settings: GroupSettings, port: int) -> Doorbell:
-    """A worker, once the group has formed: connect to rank 0's doorbell."""
-    host, _, _ = _rank0_address(settings)
-    conn = socket.create_connection((host, port), timeout=10)
-    conn.sendall(CHECK_IN + settings.rank.to_bytes(4, "little"))
-    conn.settimeout(None)
-    return Doorbell([conn])
+def _take_ranks(
+    server: socket.socket,
+    ranks: dict[int, socket.socket],
+    size: int,
+    deadline: float,
+    late: Callable[[dict, str], Unavailable],
+    what: str,
+) -> None:
+    """Accept connections on ``server`` until every worker's rank has said
+    hello, into ``ranks`` (a rank's later connection replaces its earlier one)."""
+    server.settimeout(0.2)
+    while len(ranks) < size - 1:
+        if time.monotonic() > deadline:
+            raise late(ranks, what)
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            continue
+        try:
+            conn.settimeout(2)
+            hello = _read(conn, len(CHECK_IN) + 4)
+        except OSError:
+            conn.close()
+            continue
+        rank = int.from_bytes(hello[len(CHECK_IN) :], "little")
+        if not hello.startswith(CHECK_IN) or not 0 < rank < size:
+            conn.close()
+            continue
+        if rank in ranks:
+            ranks[rank].close()
+        ranks[rank] = conn
+
+
+def check_in(settings: GroupSettings, retry_seconds: float = 0.5) -> Doorbell | None:
+    """A worker: wait until rank 0 lets the group join (see ``gather_workers``),
+    then connect to rank 0's doorbell; None without a check-in (MPI)."""
+    found = _rank0_address(settings)
+    if found is None:
+        return None
+    host, port, _ = found
+    hello = CHECK_IN + settings.rank.to_bytes(4, "little")
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2) as conn:
+                conn.sendall(hello)
+                conn.settimeout(None)
+                go = _read(conn, len(GO) + 2)
+            if go.startswith(GO):
+                # Rank 0 is listening on the doorbell's port by now.
+                bell = socket.create_connection(
+                    (host, int.from_bytes(go[len(GO) :], "little")), timeout=2
+                )
+                try:
+                    bell.sendall(hello)
+                except OSError:
+                    bell.close()
+                    raise
+                bell.settimeout(None)
+                return Doorbell([bell])
+        except OSError:
+            pass
+        time.sleep(retry_seconds)
 
 
 def join_group(settings: GroupSettings) -> tuple[mx.distributed.Group, Doorbell | None]:
     """Rank 0's group, once every worker is up, and its doorbell (None for MPI)."""
     if settings.backend != "mpi" and settings.hostfile:
         check_hostfile(Path(settings.hostfile))
-    bell = gather_workers(settings)
+    doorbell = gather_workers(settings)
     try:
         group = init_group(settings)
+        share_cores(settings, group.rank())
     except BaseException:
-        if bell is not None:
-            bell.close()
+        if doorbell is not None:
+            doorbell.close()
         raise
-    share_cores(settings, group.rank())
-    doorbell = None if bell is None else answer_doorbells(bell, settings, group.size())
     return group, doorbell
 
 

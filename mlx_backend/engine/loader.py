@@ -178,9 +178,8 @@ def prepare(
         path = replace(path, kernel_threads=kernel_settings().threads)
     info = replace(info, compute_path=path)
     costs = None
-    # A group's ranks would have to run the measurement's collectives together,
-    # and a budget the options set needs none.
-    if lockstep is None and options.step_token_budget is None:
+    if lockstep is None:
+        # A group's ranks would have to run the measurement's collectives together.
         costs = measured_once(
             model,
             ("step costs", options.kv_bits, options.max_kv_size),

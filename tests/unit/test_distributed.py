@@ -5,15 +5,17 @@ split, and BLAS threads."""
 
 import dataclasses
 import json
+import socket
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from mlx_backend.cpu.blas import blas_threads, set_blas_threads
 from mlx_backend.distributed.group import (
+    CHECK_IN,
     GroupSettings,
-    answer_doorbells,
-    call_doorbell,
     check_in,
     gather_workers,
     group_environment,
@@ -74,8 +76,8 @@ def test_bad_distributed_options_are_invalid_argument():
             parse_options([option])
 
 
-def test_workers_check_in_before_the_group_forms_then_wait_on_the_doorbell(tmp_path):
-    """The check-in that precedes MLX's init and the doorbell that follows it, over
+def test_workers_check_in_and_take_the_doorbell_before_the_group_forms(tmp_path):
+    """The check-in that precedes MLX's init, and the doorbell it hands out, over
     loopback sockets alone: a worker wakes once for each ring, and learns that
     rank 0 is gone when its doorbell closes."""
     ring = write_hostfile(tmp_path, 3)
@@ -88,8 +90,7 @@ def test_workers_check_in_before_the_group_forms_then_wait_on_the_doorbell(tmp_p
         woken: list[str] = []
 
         def worker(rank: int):
-            own = dataclasses.replace(settings, rank=rank)
-            doorbell = call_doorbell(own, check_in(own, 0.05))
+            doorbell = check_in(dataclasses.replace(settings, rank=rank), 0.05)
             try:
                 for _ in range(2):
                     doorbell.wait()
@@ -105,8 +106,7 @@ def test_workers_check_in_before_the_group_forms_then_wait_on_the_doorbell(tmp_p
         ]
         for thread in workers:
             thread.start()
-        timed = dataclasses.replace(settings, timeout=10)
-        doorbell = answer_doorbells(gather_workers(timed), timed, ranks)
+        doorbell = gather_workers(dataclasses.replace(settings, timeout=10))
         doorbell.ring()
         doorbell.ring()
         doorbell.close()
@@ -122,16 +122,32 @@ def test_workers_check_in_before_the_group_forms_then_wait_on_the_doorbell(tmp_p
     # No worker comes: the message names the ranks.
     with pytest.raises(Unavailable, match="ranks 1, 2 of the distributed group"):
         gather_workers(GroupSettings("ring", str(ring), timeout=1))
-    # A worker checks in but never calls the doorbell.
-    settings = GroupSettings("ring", str(write_hostfile(tmp_path, 2)))
-    worker = threading.Thread(
-        target=check_in, args=(dataclasses.replace(settings, rank=1), 0.05)
+
+
+def test_a_worker_that_checks_in_without_the_doorbell_fails_the_gathering(tmp_path):
+    settings = GroupSettings("ring", str(write_hostfile(tmp_path, 2)), timeout=0.5)
+    host, _, port = json.loads(Path(settings.hostfile).read_text())[0][0].rpartition(
+        ":"
     )
+    answers: list[bytes] = []
+
+    def check_in_alone():
+        # A check-in as an older worker makes it: it reads "go" and goes.
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=2) as conn:
+                    conn.sendall(CHECK_IN + (1).to_bytes(4, "little"))
+                    answers.append(conn.recv(4))
+                    return
+            except OSError:
+                time.sleep(0.05)
+
+    worker = threading.Thread(target=check_in_alone)
     worker.start()
-    bell = gather_workers(dataclasses.replace(settings, timeout=10))
+    with pytest.raises(Unavailable, match="rank 1 .* connect to rank 0's doorbell"):
+        gather_workers(settings)
     worker.join(10)
-    with pytest.raises(Unavailable, match="rank 1 .* not its doorbell within 0.2 s"):
-        answer_doorbells(bell, dataclasses.replace(settings, timeout=0.2), 2)
+    assert answers and answers[0].startswith(b"go")
 
 
 class _Args:
