@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,6 @@ HOSTFILE_LIMIT = 1 << 20
 CHECK_IN = b"mlx-backend-worker"
 # Rank 0's answer to a check-in, followed by its doorbell's port (2 bytes).
 GO = b"go"
-DOORBELL = "connect to rank 0's doorbell port"
 
 
 @dataclass(frozen=True)
@@ -185,21 +183,23 @@ def gather_workers(settings: GroupSettings) -> Doorbell | None:
     host, port, size = found
     deadline = time.monotonic() + settings.timeout
 
-    def late(ranks: dict[int, socket.socket], what: str) -> Unavailable:
+    def check(ranks: dict[int, socket.socket], what: str) -> None:
         missing = sorted(set(range(1, size)) - set(ranks))
-        names = ", ".join(str(rank) for rank in missing)
-        return Unavailable(
-            f"{'ranks' if len(missing) > 1 else 'rank'} {names} of the distributed "
-            f"group ({settings.hostfile}) did not {what} within "
-            f"{settings.timeout:g} s: start each worker with run.sh --worker "
-            "--hostfile HOSTFILE --rank N"
-        )
+        if missing:
+            names = ", ".join(str(rank) for rank in missing)
+            raise Unavailable(
+                f"{'ranks' if len(missing) > 1 else 'rank'} {names} of the distributed "
+                f"group ({settings.hostfile}) did not {what} within "
+                f"{settings.timeout:g} s: start each worker with run.sh --worker "
+                "--hostfile HOSTFILE --rank N"
+            )
 
     checked_in: dict[int, socket.socket] = {}
     rung: dict[int, socket.socket] = {}
     try:
         with socket.create_server((host, port)) as server:
-            _take_ranks(server, checked_in, size, deadline, late, "join")
+            _take_ranks(server, checked_in, size, deadline)
+        check(checked_in, "join")
         # Closed before the workers go: their MLX connections must reach MLX's
         # listener, not this one's backlog.
         with socket.create_server((host, 0)) as bell:
@@ -214,7 +214,8 @@ def gather_workers(settings: GroupSettings) -> Doorbell | None:
                     pass
             # Workers connect as soon as they read "go".
             soon = time.monotonic() + min(settings.timeout, 5.0)
-            _take_ranks(bell, rung, size, max(deadline, soon), late, DOORBELL)
+            _take_ranks(bell, rung, size, max(deadline, soon))
+        check(rung, "connect to rank 0's doorbell port")
     except BaseException:
         for conn in rung.values():
             conn.close()
@@ -229,19 +230,13 @@ def gather_workers(settings: GroupSettings) -> Doorbell | None:
 
 
 def _take_ranks(
-    server: socket.socket,
-    ranks: dict[int, socket.socket],
-    size: int,
-    deadline: float,
-    late: Callable[[dict, str], Unavailable],
-    what: str,
+    server: socket.socket, ranks: dict[int, socket.socket], size: int, deadline: float
 ) -> None:
-    """Accept connections on ``server`` until every worker's rank has said
-    hello, into ``ranks`` (a rank's later connection replaces its earlier one)."""
+    """Accept connections on ``server`` until every worker's rank has said hello
+    or the deadline passes, into ``ranks`` (a rank's later connection replaces
+    its earlier one)."""
     server.settimeout(0.2)
-    while len(ranks) < size - 1:
-        if time.monotonic() > deadline:
-            raise late(ranks, what)
+    while len(ranks) < size - 1 and time.monotonic() < deadline:
         try:
             conn, _ = server.accept()
         except OSError:

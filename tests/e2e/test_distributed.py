@@ -315,7 +315,7 @@ def short_reference(server, short_default):
     return server
 
 
-def test_default_model_pipeline_over_2_ranks_under_mlx_launch(
+def test_default_model_shapes_pipeline_over_2_ranks_under_mlx_launch(
     short_reference, short_default
 ):
     launcher = [MLX_LAUNCH, "--backend", "ring", "-n", "2"]
@@ -334,7 +334,7 @@ def test_default_model_pipeline_over_2_ranks_under_mlx_launch(
         srv.stop()
 
 
-def test_default_model_tensor_parallel_over_3_ranks(
+def test_default_model_shapes_tensor_parallel_over_3_ranks(
     short_reference, short_default, tmp_path
 ):
     hostfile = write_hostfile(tmp_path, 3)
