@@ -26,7 +26,7 @@ import backend_pb2 as pb
 from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.formats.registry import adopt_chat_format
-from mlx_backend.models.gguf import save_tokenizer
+from mlx_backend.models.gguf import gguf_tokenizer
 from mlx_backend.models.loading import default_model_path
 from tests.chat_models import make_chat_folders
 from tests.family_models import make_family_folder
@@ -267,10 +267,7 @@ def chat_tokenizer(chat_models):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
+def tokenizer():
     """The default model's tokenizer, built as load_gguf builds it, without the model."""
     _, metadata = mx.load(str(default_model_path()), return_metadata=True)
-    folder = tmp_path_factory.mktemp("tokenizer")
-    save_tokenizer(metadata, folder)
-    eos = metadata["tokenizer.ggml.eos_token_id"].item()
-    return load_tokenizer(folder, eos_token_ids=[eos])
+    return gguf_tokenizer(metadata)

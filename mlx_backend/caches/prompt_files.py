@@ -8,8 +8,9 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -372,21 +373,34 @@ class PromptFiles:
     changes, and the ``prompt_cache_dir`` entries. Engine thread only.
 
     Args:
-        fingerprint: make_fingerprint's value for the model now loaded.
+        fingerprint: makes make_fingerprint's value for the model now loaded, when
+          a file is first used (it hashes the vocabulary, ~0.1 s, and most loads
+          use no file).
         layers: how many cache layers the model has.
-        folder: prompt_cache_dir's folder for this fingerprint, or None.
+        cache_dir: the option prompt_cache_dir, or None.
     """
 
-    def __init__(self, fingerprint: str, layers: int, folder: Path | None = None):
-        self.fingerprint = fingerprint
+    def __init__(
+        self,
+        fingerprint: Callable[[], str],
+        layers: int,
+        cache_dir: Path | None = None,
+    ):
+        self._make_fingerprint = fingerprint
         self.layers = layers
-        self.folder = (
-            None if folder is None else PromptCacheDir(folder, fingerprint, layers)
-        )
+        self.folder = None
+        if cache_dir is not None:
+            # Each model's entries in a folder of their own.
+            folder = cache_dir / self.fingerprint[:16]
+            self.folder = PromptCacheDir(folder, self.fingerprint, layers)
         # What each file held when this process last read or wrote it.
         self._known: dict[Path, tuple[int, tuple[int, ...]]] = {}
         self._written: set[tuple[int, ...]] = set()
         self._unkept: dict[Path, int | None] = {}
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return self._make_fingerprint()
 
     def _stamp(self, path: Path) -> int | None:
         with suppress(OSError):

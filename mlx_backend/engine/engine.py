@@ -34,6 +34,7 @@ from mlx_backend.engine.scheduler import Scheduler, admission_refusal
 from mlx_backend.engine.stats import EngineStats, RequestMetrics, Stats
 from mlx_backend.errors import Aborted
 from mlx_backend.models.loading import LoadPlan, ModelInfo
+from mlx_backend.models.tokenizers import forget_tokenizers
 from mlx_backend.request_parsing import (
     EmbeddingRequest,
     GenerationRequest,
@@ -266,5 +267,6 @@ class Engine(Turns):
         release_memory()
 
     def _free(self) -> None:
+        forget_tokenizers()
         self._unload()
         self._stats.state = "uninitialized"

@@ -205,7 +205,7 @@ def prepare(
             model,
             loaded.config,
             info.source,
-            info.tokenizer.vocab,
+            info.tokenizer,
             options,
             plan.adapters,
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_backend.caches.kinds import NO_REUSE, CacheKinds
 from mlx_backend.caches.prompt_files import PromptFiles, make_fingerprint
@@ -188,7 +189,7 @@ def make_prompt_files(
     model: nn.Module,
     config: dict,
     source: str,
-    vocab: dict[str, int],
+    tokenizer: TokenizerWrapper,
     options: LoadOptions,
     adapters: tuple[Adapter, ...],
 ) -> PromptFiles:
@@ -200,11 +201,11 @@ def make_prompt_files(
         f"max_kv_size={options.max_kv_size},fuse_lora={options.fuse_lora},"
         f"adapters={[(str(a.path), a.scale) for a in adapters]}"
     )
-    identity = f"{source}; {model_signature(model, config)}"
-    fingerprint = make_fingerprint(identity, vocab, layout)
+
+    def fingerprint() -> str:
+        identity = f"{source}; {model_signature(model, config)}"
+        return make_fingerprint(identity, tokenizer.vocab, layout)
+
+    cache_dir = options.prompt_cache_dir
     layers = len(make_kv_cache(model, options))
-    folder = None
-    if options.prompt_cache_dir:
-        # Each model's entries in a folder of their own.
-        folder = Path(options.prompt_cache_dir) / fingerprint[:16]
-    return PromptFiles(fingerprint, layers, folder)
+    return PromptFiles(fingerprint, layers, Path(cache_dir) if cache_dir else None)

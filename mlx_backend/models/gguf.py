@@ -14,6 +14,7 @@ import mmap
 import re
 import struct
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from tokenizers import (
     processors,
 )
 
+from mlx_backend.models.tokenizers import file_key, reuse_tokenizer
 from mlx_backend.refusals import Described
 from mlx_utils import dequantize_to_float32
 
@@ -249,6 +251,16 @@ def make_hf_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
     return tokenizer, {k: v for k, v in config.items() if v is not None}
 
 
+def gguf_tokenizer(metadata: dict) -> TokenizerWrapper:
+    """The GGUF's tokenizer as mlx-lm loads it, with its end-of-sequence token."""
+    eos = _scalar(metadata.get("tokenizer.ggml.eos_token_id"))
+    with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as folder:
+        save_tokenizer(metadata, Path(folder))
+        return load_tokenizer(
+            Path(folder), eos_token_ids=[eos] if eos is not None else None
+        )
+
+
 def save_tokenizer(metadata: dict, folder: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json for the GGUF tokenizer."""
     tokenizer, config = make_hf_tokenizer(metadata)
@@ -259,6 +271,7 @@ def save_tokenizer(metadata: dict, folder: Path) -> None:
 # GGUF metadata value types: the scalars' sizes, strings and arrays.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING_LENGTH = struct.Struct("<Q")
 # Tensor types MLX reads (F32, F16, Q4_0, Q4_1, Q8_0): (values, bytes) per block.
 _TENSOR_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
 # The smallest tensor-table entry: a name length, one dimension, a type, an offset.
@@ -284,6 +297,22 @@ class _GGUFWalker:
     def unpack(self, fmt: str) -> int:
         return struct.unpack_from(fmt, self.data, self.take(struct.calcsize(fmt)))[0]
 
+    def skip_strings(self, count: int) -> None:
+        # A vocabulary's array holds ~50k strings: one tight loop, not calls each.
+        data, pos, end, length = self.data, self.pos, len(self.data), _STRING_LENGTH
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            size = length.unpack_from(data, pos)[0]
+            pos += 8
+            if size > end - pos:
+                break
+            pos += size
+        else:
+            self.pos = pos
+            return
+        raise GGUFError(f"the file is truncated or corrupt at byte {pos}")
+
     def string(self) -> bytes:
         size = self.unpack("<Q")
         start = self.take(size)
@@ -300,8 +329,7 @@ class _GGUFWalker:
                 self.take(count * _SCALAR_BYTES[item])
             elif item == _STRING:
                 self.check_room(count * 8)  # each string has its length
-                for _ in range(count):
-                    self.string()
+                self.skip_strings(count)
             else:
                 raise GGUFError("a metadata array has an unknown item type")
         else:
@@ -377,12 +405,9 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
         weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
         config = make_config(metadata, weights)
         model = make_model(config, weights)
-        eos = _scalar(metadata.get("tokenizer.ggml.eos_token_id"))
-        with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as folder:
-            save_tokenizer(metadata, Path(folder))
-            tokenizer = load_tokenizer(
-                Path(folder), eos_token_ids=[eos] if eos is not None else None
-            )
+        tokenizer = reuse_tokenizer(
+            file_key(Path(path)), partial(gguf_tokenizer, metadata)
+        )
     except GGUFError:
         raise
     except Exception as e:

@@ -4,6 +4,7 @@ what serving it needs (``ModelInfo``)."""
 import dataclasses
 import logging
 from dataclasses import dataclass
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import mlx.nn as nn
 from huggingface_hub import snapshot_download
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as load_mlx_folder
+from mlx_lm.utils import load_model as load_mlx_model
+from mlx_lm.utils import load_tokenizer as load_mlx_tokenizer
 
 from mlx_backend.caches.kinds import CacheKinds
 from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
@@ -29,6 +32,7 @@ from mlx_backend.models.checks import (
 from mlx_backend.models.gguf import GGUFError, load_gguf
 from mlx_backend.models.lora import Adapter, apply_adapters
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
+from mlx_backend.models.tokenizers import folder_key, reuse_tokenizer
 from mlx_backend.output.detokenizer import TokenBytes, make_token_bytes
 from mlx_backend.refusals import (
     Described,
@@ -137,11 +141,14 @@ def _load_gguf(path: Path):
 
 def _load_folder(path: Path, trust_remote_code: bool):
     try:
-        model, tokenizer, config = load_mlx_folder(
-            str(path),
-            lazy=True,
-            return_config=True,
-            trust_remote_code=trust_remote_code,
+        # mlx_lm.utils.load's two steps, the tokenizer kept across loads.
+        model, config = load_mlx_model(
+            path, lazy=True, trust_remote_code=trust_remote_code
+        )
+        eos = config.get("eos_token_id")
+        tokenizer = reuse_tokenizer(
+            folder_key(path, repr(eos)),
+            partial(load_mlx_tokenizer, path, eos_token_ids=eos),
         )
     except Exception as e:
         logger.warning("mlx-lm could not load %s", path, exc_info=True)

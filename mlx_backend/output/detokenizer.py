@@ -3,6 +3,7 @@ continues a prompt."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
@@ -25,21 +26,38 @@ class TokenBytes:
 def make_token_bytes(tokenizer: TokenizerWrapper) -> TokenBytes:
     detokenizer = tokenizer.detokenizer
     if isinstance(detokenizer, BPEStreamingDetokenizer):
-        decoder = _byte_decoder()
-        table = tuple(
-            b"".join(
-                bytes((decoder[c],)) if c in decoder else c.encode("utf-8")
-                for c in piece
-            )
-            for piece in detokenizer.tokenmap
-        )
-        return TokenBytes(table)
+        return TokenBytes(tuple(map(_bpe_bytes, detokenizer.tokenmap)))
     if isinstance(detokenizer, SPMStreamingDetokenizer):
         return TokenBytes(
             tuple(t.replace("\u2581".encode(), b" ") for t in detokenizer.tokenmap)
         )
     tokens = range(len(tokenizer.vocab))
     return TokenBytes(tuple(tokenizer.decode([t]).encode("utf-8") for t in tokens))
+
+
+def _bpe_bytes(piece: str) -> bytes:
+    """A byte-level BPE piece's bytes: each character the byte it stands for, any
+    other character its UTF-8 (an added token's text)."""
+    try:
+        # One C pass: the table maps each character below 256 to Latin-1 text
+        # whose encoding is those bytes; a character above it that stands for
+        # no byte fails the encoding.
+        return piece.translate(_bpe_latin1()).encode("latin-1")
+    except UnicodeEncodeError:
+        decoder = _byte_decoder()
+        return b"".join(
+            bytes((decoder[c],)) if c in decoder else c.encode("utf-8") for c in piece
+        )
+
+
+@cache
+def _bpe_latin1() -> dict[int, str]:
+    decoder = _byte_decoder()
+    table = {ord(c): chr(b) for c, b in decoder.items()}
+    for code in range(256):
+        if chr(code) not in decoder:
+            table[code] = chr(code).encode("utf-8").decode("latin-1")
+    return table
 
 
 # Prompt tokens a reply's detokenizer starts from: enough to hold the bytes of any

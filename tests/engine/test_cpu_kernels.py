@@ -1,6 +1,7 @@
-"""The SIMD kernels on the embedded model, in-process: greedy decoding alone and in a
-batch of 8 gives the float32 path's tokens up to a near tie, with logprobs within
-the kernels' noise; the engine serves on them by default and says so in Status."""
+"""The SIMD kernels in-process: on the embedded model's first layers, greedy
+decoding alone and in a batch of 8 gives the float32 path's tokens up to a near
+tie, with logprobs within the kernels' noise; the engine serves the embedded model
+on them by default and says so in Status."""
 
 import mlx.core as mx
 import pytest
@@ -38,8 +39,13 @@ PROMPTS = QUESTIONS + (
 
 
 @pytest.fixture(scope="module")
-def engines():
-    kernels, float32 = load_engine(), load_engine("dequantize:true")
+def engines(short_default):
+    """The kernels and the float32 path on the default model's first layers: its
+    quantized weights and shapes, every kind of layer the kernels run, at a
+    seventh of the passes."""
+    model = str(short_default)
+    kernels = load_engine(model=model)
+    float32 = load_engine("dequantize:true", model=model)
     yield kernels, float32
     kernels.shutdown()
     float32.shutdown()
@@ -77,16 +83,19 @@ def test_greedy_decoding_matches_the_float32_path(
         assert_greedy_close(mine, reference, KERNEL_NOISE)
 
 
-def test_the_engine_serves_on_the_kernels_and_reports_them(engines):
-    kernels, _ = engines
-    replies = run(kernels, *[generation(kernels) for _ in range(3)])
-    assert [text_of(r) for r in replies] == [ANSWER] * 3
-    stats = stats_after(kernels)
-    path = kernels.info.compute_path
-    assert stats["cpu_kernels"] == 1 and stats["dequantized_weights"] == 0
-    assert stats["cpu_kernel_threads"] == path.kernel_threads >= 1
-    assert stats[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
-    assert "SIMD kernels" in path.description and "threads" in path.description
+def test_the_engine_serves_on_the_kernels_and_reports_them():
+    kernels = load_engine()
+    try:
+        replies = run(kernels, *[generation(kernels) for _ in range(3)])
+        assert [text_of(r) for r in replies] == [ANSWER] * 3
+        stats = stats_after(kernels)
+        path = kernels.info.compute_path
+        assert stats["cpu_kernels"] == 1 and stats["dequantized_weights"] == 0
+        assert stats["cpu_kernel_threads"] == path.kernel_threads >= 1
+        assert stats[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
+        assert "SIMD kernels" in path.description and "threads" in path.description
+    finally:
+        kernels.shutdown()
 
 
 def test_int8_activations_are_a_load_option():

@@ -65,7 +65,10 @@ def ask(engine: Engine, path: str = "", **fields) -> tuple[str, int, tuple]:
 
 
 def file_key(engine: Engine) -> tuple[str, int]:
-    return engine.served.store.files.fingerprint, engine.served.store.files.layers
+    files = engine.served.store.files
+    # The fingerprint is made on first use, with MLX: on the engine thread.
+    fingerprint = on_engine_thread(engine, lambda model, options: files.fingerprint)
+    return fingerprint, files.layers
 
 
 def test_a_restart_restores_the_prompt_from_its_file(files_engine, tmp_path, caplog):

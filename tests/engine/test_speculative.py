@@ -19,7 +19,7 @@ from mlx_backend.decoders.proposers import NgramProposer
 from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
-from mlx_backend.models.loading import LoadPlan, ModelLoadError, default_model_path
+from mlx_backend.models.loading import LoadPlan, ModelLoadError
 from mlx_backend.output.reply_pipeline import Finished
 from mlx_backend.request_parsing import SamplingParams
 from python_utils import LoadOptions
@@ -270,12 +270,21 @@ def flat_costs(engine) -> None:
     on_engine_thread(engine, set_costs)
 
 
-def test_the_model_as_its_own_draft_accepts_everything(plain):
-    engine = load_engine(draft=str(default_model_path()))
+@pytest.fixture(scope="module")
+def short_plain(short_default):
+    """Plain decoding on the default model's first layers: draft models are about
+    the proposals, which its shapes and tokenizer make as the whole model's do."""
+    engine = load_engine("speculative:off", model=str(short_default))
+    yield engine
+    engine.shutdown()
+
+
+def test_the_model_as_its_own_draft_accepts_everything(short_plain, short_default):
+    engine = load_engine(model=str(short_default), draft=str(short_default))
     try:
         flat_costs(engine)
         for text in (REPEAT, POEM):
-            (expected,) = run(plain, generation(plain, text, max_tokens=48))
+            (expected,) = run(short_plain, generation(short_plain, text, max_tokens=48))
             (actual,) = run(engine, generation(engine, text, max_tokens=48))
             check_same(expected, actual)
             metrics = engine.last_metrics
@@ -285,11 +294,14 @@ def test_the_model_as_its_own_draft_accepts_everything(plain):
         engine.shutdown()
 
 
-def test_a_random_draft_is_mostly_rejected_and_changes_nothing(plain, tmp_path):
-    engine = load_engine(draft=str(make_tiny_draft(tmp_path / "draft")))
+def test_a_random_draft_is_mostly_rejected_and_changes_nothing(
+    short_plain, short_default, tmp_path
+):
+    draft = make_tiny_draft(tmp_path / "draft")
+    engine = load_engine(model=str(short_default), draft=str(draft))
     try:
         flat_costs(engine)
-        expected, actual = both(plain, engine, REPEAT, max_tokens=48)
+        expected, actual = both(short_plain, engine, REPEAT, max_tokens=48)
         check_same(expected[0], actual[0])
         metrics = engine.last_metrics
         assert metrics.draft_tokens_proposed > 0

@@ -11,13 +11,18 @@ from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
     SPMStreamingDetokenizer,
+    _byte_decoder,
 )
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
 from mlx_backend.models.gguf import save_tokenizer
 from mlx_backend.models.loading import default_model_path
-from mlx_backend.output.detokenizer import ContinuationDetokenizer, make_token_bytes
+from mlx_backend.output.detokenizer import (
+    ContinuationDetokenizer,
+    _bpe_bytes,
+    make_token_bytes,
+)
 
 CORPUS = [
     "The capital of France is Paris.",
@@ -111,6 +116,29 @@ def test_a_continuation_keeps_its_first_space(tokenizers, kind):
     # The logprob bytes of the tokens join to the same text.
     table = make_token_bytes(tokenizer)
     assert b"".join(table.of(t) for t in reply) == b" Paris."
+
+
+def test_bpe_token_bytes_are_what_each_character_stands_for(tokenizers, tables):
+    """The table's one-pass translation against the definition, character by
+    character, on the whole vocabulary and on added-token texts that hold
+    characters standing for no byte (below 256 and above)."""
+    decoder = _byte_decoder()
+
+    def by_character(piece: str) -> bytes:
+        return b"".join(
+            bytes((decoder[c],)) if c in decoder else c.encode("utf-8") for c in piece
+        )
+
+    tokenmap = tokenizers["bpe"].detokenizer.tokenmap
+    assert tables["bpe"].table == tuple(map(by_character, tokenmap))
+    for piece in (
+        "<|im end|>",
+        "\u00a0x\u00ad",
+        "caf\u00e9",
+        "\u65e5\u672c",
+        "\x00\x7f",
+    ):
+        assert _bpe_bytes(piece) == by_character(piece)
 
 
 TEXT = st.text(alphabet=" \nabcéPrisl.,日本🙂", max_size=24)
