@@ -19,6 +19,26 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 
+from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+
+LOG_LEVEL_ENV = "MLX_BACKEND_LOG_LEVEL"
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+if __name__ == "__main__":
+    # The restart with a fast BLAS comes before grpc, mlx-lm and transformers load:
+    # after them, each start loaded them twice (1.2 s).
+    configure_logging(os.environ.get(LOG_LEVEL_ENV, "INFO"))
+    maybe_reexec_with_fast_blas()
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -26,7 +46,6 @@ from grpc_reflection.v1alpha import reflection
 
 import backend_pb2
 import backend_pb2_grpc
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
 from mlx_backend.distributed.follower import LOST, run_worker
 from mlx_backend.distributed.group import launched_rank, worker_settings
 from mlx_backend.engine.engine import Engine
@@ -54,11 +73,8 @@ from mlx_backend.request_parsing import (
     parse_prompt,
     parse_score,
 )
-from python_utils import (
-    parse_duration,
-    render_sample_chat,
-    switched_off,
-)
+from mlx_backend.switches import switched_off
+from python_utils import parse_duration, render_sample_chat
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +86,6 @@ SERVICE_NAME = backend_pb2.DESCRIPTOR.services_by_name["Backend"].full_name
 AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
 PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
 PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
-LOG_LEVEL_ENV = "MLX_BACKEND_LOG_LEVEL"
 
 _STATUS_CODES = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -561,12 +576,9 @@ def main(
         "--coordinator", default="", help="IP:PORT of the JACCL coordinator"
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     if argv is None:
+        # A module that runs main() without backend.py's early restart.
         maybe_reexec_with_fast_blas()
     # Under mlx.launch every rank runs this command: ranks 1 and up follow rank 0.
     launched = launched_rank(os.environ)

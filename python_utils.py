@@ -10,6 +10,7 @@ from typing import Any
 
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.formats.registry import check_format_options
+from mlx_backend.switches import parse_bool
 
 logger = logging.getLogger(__name__)
 
@@ -100,24 +101,6 @@ class LoadOptions:
     distributed_mode: str = "auto"
     distributed_timeout: float = 60.0
     distributed_step_timeout: float = 20.0
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def switched_off(environ, name: str) -> bool:
-    """Whether environment switch ``name`` is set to false/0/no/off."""
-    return environ.get(name, "").strip().lower() in _FALSE
-
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"expected a boolean, got {text!r}")
 
 
 # String options that are paths, whose case matters.

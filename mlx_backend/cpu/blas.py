@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from python_utils import switched_off
+from mlx_backend.switches import switched_off
 
 logger = logging.getLogger(__name__)
 

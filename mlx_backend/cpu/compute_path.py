@@ -12,8 +12,8 @@ from mlx_lm.utils import get_total_parameters
 
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_memory
 from mlx_backend.cpu.kernels import kernel_settings, load_kernels, runs_on_kernels
+from mlx_backend.switches import switched_off
 from mlx_utils import dequantize_to_float32
-from python_utils import switched_off
 
 DEQUANTIZE_ENV = "MLX_BACKEND_DEQUANTIZE"
 # On the CPU, attention's softmax dominates long chunks: on a 1000-token prompt,

@@ -16,6 +16,7 @@ from mlx_backend.cpu.blas import (
     preload_environment,
 )
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.switches import switched_off
 from python_utils import (
     MAX_JSON_DEPTH,
     LoadOptions,
@@ -33,7 +34,6 @@ from python_utils import (
     parse_tool_choice,
     parse_tools,
     render_chat,
-    switched_off,
 )
 
 WIRE_REFERENCE = (

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_backend.cpu.blas import blas_threads, choose_blas_threads, physical_cores
-from python_utils import switched_off
+from mlx_backend.switches import switched_off
 
 logger = logging.getLogger(__name__)
 
