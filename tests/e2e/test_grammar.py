@@ -2,6 +2,7 @@
 
 import json
 import re
+from functools import partial
 
 import grpc
 import pytest
@@ -57,30 +58,34 @@ def counters(server) -> dict:
 )
 def test_json_mode_output_always_parses(server, question, temperature):
     # SmolLM2 rambles on open questions; these prompts let it finish an object.
-    for seed in range(4):
-        reply = server.stub.Predict(
-            chat(question, Grammar="json", Temperature=temperature, Seed=seed)
-        )
+    # The seeds run at once, as a batch (seeded sampling draws the same either way).
+    requests = [
+        chat(question, Grammar="json", Temperature=temperature, Seed=seed)
+        for seed in range(4)
+    ]
+    for reply in run_concurrently([partial(server.stub.Predict, r) for r in requests]):
         assert isinstance(json.loads(reply.message), dict), reply.message
 
 
 def test_json_schema_output_validates_across_seeds(server):
     schema = json.dumps(PERSON_SCHEMA)
     texts = set()
-    for seed in range(5):
-        reply = server.stub.Predict(
-            grammar_chat("Describe a person as JSON.", schema, seed, Tokens=80)
-        )
+    requests = [
+        grammar_chat("Describe a person as JSON.", schema, seed, Tokens=80)
+        for seed in range(5)
+    ]
+    for reply in run_concurrently([partial(server.stub.Predict, r) for r in requests]):
         check_person(reply.message)
         texts.add(reply.message)
     assert len(texts) > 1, "every seed gave the same text: sampling is not exercised"
 
 
 def test_gbnf_output_matches_the_language(server):
-    for seed in range(4):
-        reply = server.stub.Predict(
-            grammar_chat("What should I buy at the market?", SHOPPING_GBNF, seed)
-        )
+    requests = [
+        grammar_chat("What should I buy at the market?", SHOPPING_GBNF, seed)
+        for seed in range(4)
+    ]
+    for reply in run_concurrently([partial(server.stub.Predict, r) for r in requests]):
         assert SHOPPING.fullmatch(reply.message.decode()), reply.message
 
 
