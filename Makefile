@@ -51,7 +51,7 @@ run: install
 
 test-deps: install $(VENV)/.test-installed
 
-# test.py runs the whole pytest suite (pyproject.toml) in three workers, on the fast BLAS
+# test.py runs the whole pytest suite (pyproject.toml) in xdist workers, on the fast BLAS
 # the backend preloads; LocalAI's test.sh runs the same `python -m unittest test.py`.
 # PYTEST_ADDOPTS="-m unit" (or -m engine, -m e2e, -k ...) narrows it.
 test: test-deps

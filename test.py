@@ -1,7 +1,7 @@
 """The suite for ``python -m unittest test.py``, as LocalAI's test.sh runs it.
 
 One test runs the whole pytest suite (pyproject.toml: tests/ and test_mlx_cache.py)
-in a subprocess from the project root, in three workers (pyproject.toml), with
+in a subprocess from the project root, in xdist workers (tests/conftest.py), with
 the fast BLAS preloaded the way backend.py's restart does it; pytest's output
 streams through, and the test fails when pytest does. ``make test`` and ./test.sh
 run it.
