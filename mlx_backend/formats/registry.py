@@ -188,7 +188,11 @@ class TokenTexts(Container[str]):
         self._tokenizer = tokenizer
 
     def __contains__(self, text: object) -> bool:
-        token = self._tokenizer.convert_tokens_to_ids(text)
+        try:
+            token = self._tokenizer.convert_tokens_to_ids(text)
+        except (KeyError, ValueError):
+            # Remote-code tokenizers (tiktoken's) may raise for an unknown token.
+            return False
         unknown = self._tokenizer.unk_token_id
         return token is not None and (
             token != unknown or text == self._tokenizer.unk_token
