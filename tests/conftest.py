@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
+from mlx_backend.cpu.kernels import load_kernels
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
 from mlx_backend.formats.registry import adopt_chat_format
 from mlx_backend.models.gguf import gguf_tokenizer
@@ -156,6 +158,23 @@ def pytest_collection_modifyitems(session, config, items):
             session.shouldstop = message
             return
         raise pytest.UsageError(message)
+
+
+@pytest.fixture(scope="module")
+def qmm():
+    """The CPU kernels' extension, reset to its defaults after the module. On Linux
+    CPU ``make install`` builds it, so missing it there fails; elsewhere (Metal,
+    CUDA) the tests skip."""
+    module, why = load_kernels()
+    if module is None:
+        if sys.platform == "linux" and mx.default_device() == mx.cpu:
+            pytest.fail(f"the CPU kernels are missing: {why}")
+        pytest.skip(why)
+    yield module
+    module.set_isa("auto")
+    module.set_fused_isa("auto")
+    module.set_activations("float32")
+    module.set_threads(2)
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,8 @@ class ComputePath:
     # and their threads.
     kernel_isa: str = ""
     kernel_threads: int = 0
+    # The fused kernels' instruction set where mx.fast's operations run on them.
+    fast_ops_isa: str = ""
 
     def breakdown(self) -> dict[str, int]:
         figures = {
@@ -57,6 +59,7 @@ class ComputePath:
             "cpu_paced": int(self.paced),
             "cpu_kernels": int(bool(self.kernel_isa)),
             "cpu_kernel_threads": self.kernel_threads,
+            "cpu_fast_ops": int(bool(self.fast_ops_isa)),
         }
         if self.kernel_isa:
             # Status carries numbers only: the instruction set is in the key.

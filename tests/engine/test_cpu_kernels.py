@@ -1,11 +1,13 @@
 """The SIMD kernels in-process: on the embedded model's first layers, greedy
-decoding alone and in a batch of 8 gives the float32 path's tokens up to a near
-tie, with logprobs within the kernels' noise; the engine serves the embedded model
-on them by default and says so in Status."""
+decoding alone and in a batch of 8 gives the float32 path's tokens, and MLX's own
+norms, RoPE and attention's, up to a near tie, with logprobs within the kernels'
+noise; the engine serves the embedded model on them by default and says so in
+Status."""
 
 import mlx.core as mx
 import pytest
 
+from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.single import SingleDecoder
 from tests.engine_helpers import (
@@ -70,9 +72,19 @@ def float32_decodes(engines):
     return decode(float32, BatchDecoder, [chat_prompt(float32, q) for q in PROMPTS])
 
 
+@pytest.fixture(scope="module")
+def mlx_operations_decodes(engines):
+    """The kernels' greedy decodes of PROMPTS as one batch of 8 with MLX's own
+    norms, RoPE and attention (the fused primitives off)."""
+    kernels, _ = engines
+    assert kernels.info.compute_path.fast_ops_isa
+    with mlx_fast_ops():
+        return decode(kernels, BatchDecoder, [chat_prompt(kernels, q) for q in PROMPTS])
+
+
 @pytest.mark.parametrize("decoder_class", [SingleDecoder, BatchDecoder])
-def test_greedy_decoding_matches_the_float32_path(
-    engines, float32_decodes, decoder_class
+def test_greedy_decoding_matches_the_float32_path_and_mlx_operations(
+    engines, float32_decodes, mlx_operations_decodes, decoder_class
 ):
     kernels, _ = engines
     assert kernels.info.compute_path.kernel_isa
@@ -80,6 +92,8 @@ def test_greedy_decoding_matches_the_float32_path(
     # SingleDecoder runs them one at a time; BatchDecoder as one batch of 8.
     ours = decode(kernels, decoder_class, prompts)
     for mine, reference in zip(ours, float32_decodes):
+        assert_greedy_close(mine, reference, KERNEL_NOISE)
+    for mine, reference in zip(ours, mlx_operations_decodes):
         assert_greedy_close(mine, reference, KERNEL_NOISE)
 
 
@@ -94,6 +108,10 @@ def test_the_engine_serves_on_the_kernels_and_reports_them():
         assert stats["cpu_kernel_threads"] == path.kernel_threads >= 1
         assert stats[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
         assert "SIMD kernels" in path.description and "threads" in path.description
+        assert stats["cpu_fast_ops"] == 1 and path.fast_ops_isa
+        assert (
+            f"attention on the fused kernels ({path.fast_ops_isa})" in path.description
+        )
     finally:
         kernels.shutdown()
 

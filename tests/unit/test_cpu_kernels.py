@@ -15,21 +15,6 @@ from mlx_backend.cpu.compute_path import prepare_for_cpu
 FLOAT32_EPS = 2.0**-24
 
 
-@pytest.fixture(scope="module")
-def qmm():
-    """The built extension. On Linux CPU ``make install`` builds it, so missing it
-    there fails; elsewhere (Metal, CUDA) the tests skip."""
-    module, why = kernels.load_kernels()
-    if module is None:
-        if sys.platform == "linux" and mx.default_device() == mx.cpu:
-            pytest.fail(f"the CPU kernels are missing: {why}")
-        pytest.skip(why)
-    yield module
-    module.set_isa("auto")
-    module.set_activations("float32")
-    module.set_threads(2)
-
-
 def isas(qmm) -> list[str]:
     best = qmm.settings()["isa"]
     return [best] if best.startswith("portable") else [best, "portable"]

@@ -1,7 +1,9 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
+#include "fused.h"
 #include "quantized_matmul.h"
 
 namespace nb = nanobind;
@@ -34,4 +36,49 @@ NB_MODULE(_qmm, m) {
   m.def("set_threads", &qmm::set_threads, "threads"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("set_activations", &qmm::set_activations, "activations"_a);
+
+  // MLX's fast operations as single CPU primitives (mx.fast's signatures).
+  m.def(
+      "rms_norm",
+      &qmm::rms_norm,
+      "x"_a,
+      "weight"_a.none(),
+      "eps"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def(
+      "layer_norm",
+      &qmm::layer_norm,
+      "x"_a,
+      "weight"_a.none(),
+      "bias"_a.none(),
+      "eps"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def(
+      "rope",
+      &qmm::rope,
+      "a"_a,
+      "dims"_a,
+      nb::kw_only(),
+      "traditional"_a,
+      "base"_a.none(),
+      "scale"_a,
+      "offset"_a,
+      "freqs"_a = nb::none(),
+      "stream"_a = nb::none());
+  m.def(
+      "scaled_dot_product_attention",
+      &qmm::attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      nb::kw_only(),
+      "scale"_a,
+      "mask_mode"_a,
+      "mask"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none());
+  m.def("set_fused_isa", &qmm::set_fused_isa, "isa"_a);
+  m.def("fused_isa", &qmm::fused_isa);
 }

@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
 #include "qmm.h"
+#include "task.h"
 
 namespace qmm {
 
@@ -389,42 +389,36 @@ std::shared_ptr<std::vector<char>> row_major_copy(const mx::array& a) {
 void QuantizedMatmul::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto& x = inputs[0];
-  auto& w = inputs[1];
-  auto& scales = inputs[2];
-  auto& biases = inputs[3];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  // Inputs that aren't row-major are copied; the copies live as long as the task.
-  std::vector<std::shared_ptr<std::vector<char>>> copies;
-  auto data = [&](const mx::array& a) -> const void* {
-    if (a.flags().row_contiguous) {
-      return a.data<void>();
-    }
-    copies.push_back(row_major_copy(a));
-    return copies.back()->data();
-  };
-  Problem p;
-  p.x = static_cast<const float*>(data(x));
-  p.xsum = nullptr;
-  p.xq = nullptr;
-  p.xd = nullptr;
-  p.w = static_cast<const uint32_t*>(data(w));
-  p.scales = data(scales);
-  p.biases = data(biases);
-  p.y = out.data<float>();
-  p.N = w.shape(0);
-  p.K = x.shape(-1);
-  p.M = int(x.size() / p.K);
-  p.bits = bits_;
-  p.group_size = group_size_;
-  p.scale_type = scale_type(scales.dtype());
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
-  encoder.set_output_array(out);
-  encoder.dispatch([p, copies = std::move(copies)]() {
+  dispatch_task(stream(), inputs, out, [group_size = group_size_, bits = bits_](
+                                           std::vector<mx::array>& in, mx::array& out) {
+    auto& x = in[0];
+    auto& w = in[1];
+    auto& scales = in[2];
+    auto& biases = in[3];
+    // Inputs that aren't row-major are copied for the kernels.
+    std::vector<std::shared_ptr<std::vector<char>>> copies;
+    auto data = [&](const mx::array& a) -> const void* {
+      if (a.flags().row_contiguous) {
+        return a.data<void>();
+      }
+      copies.push_back(row_major_copy(a));
+      return copies.back()->data();
+    };
+    Problem p;
+    p.x = static_cast<const float*>(data(x));
+    p.xsum = nullptr;
+    p.xq = nullptr;
+    p.xd = nullptr;
+    p.w = static_cast<const uint32_t*>(data(w));
+    p.scales = data(scales);
+    p.biases = data(biases);
+    p.y = out.data<float>();
+    p.N = w.shape(0);
+    p.K = x.shape(-1);
+    p.M = int(x.size() / p.K);
+    p.bits = bits;
+    p.group_size = group_size;
+    p.scale_type = scale_type(scales.dtype());
     std::lock_guard<std::mutex> lock(state().mutex);
     compute(p);
   });
@@ -465,6 +459,12 @@ void set_activations(const std::string& activations) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.activations = activations;
+}
+
+void run_tasks(int tasks, double work, const std::function<void(int)>& fn) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.pool.run(tasks, fn, work >= s.parallel_work);
 }
 
 void set_threads(int threads) {

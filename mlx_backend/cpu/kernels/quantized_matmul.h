@@ -1,6 +1,7 @@
 // The MLX primitive and op over the kernels in qmm.h.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "mlx/mlx.h"
@@ -57,5 +58,9 @@ void set_threads(int threads);
 void set_activations(const std::string& activations);
 // Pick the kernels: "auto" (the best this CPU runs), "avx2" or "portable".
 void set_isa(const std::string& isa);
+
+// Calls fn(i) for i in [0, tasks) on the kernels' threads, on several of them
+// where the work (in multiply-adds) is large enough to pay for waking them.
+void run_tasks(int tasks, double work, const std::function<void(int)>& fn);
 
 } // namespace qmm

@@ -1,0 +1,594 @@
+#include "fused.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "fused_rows.h"
+#include "mlx/backend/cpu/simd/math.h"
+#include "quantized_matmul.h"
+#include "task.h"
+
+namespace qmm {
+
+namespace {
+
+using fused::RowKernels;
+
+const RowKernels& portable_table() {
+  static const RowKernels table = fused::portable_rows();
+  return table;
+}
+
+const RowKernels& best_table() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    static const RowKernels table = fused::avx2_rows();
+    return table;
+  }
+#endif
+  return portable_table();
+}
+
+std::atomic<const RowKernels*> chosen{nullptr};
+
+const RowKernels& row_kernels() {
+  const RowKernels* table = chosen.load(std::memory_order_acquire);
+  if (table == nullptr) {
+    table = &best_table();
+    chosen.store(table, std::memory_order_release);
+  }
+  return *table;
+}
+
+// Tasks per thread for work split by rows: enough to balance, few enough that
+// claiming them costs little.
+constexpr int ROW_TASKS = 16;
+
+// fn(r0, r1) over [0, rows) in a few tasks, on several threads when `work` (in
+// multiply-adds) pays for it.
+template <typename Fn>
+void for_rows(int rows, double work, Fn fn) {
+  int tasks = std::min(rows, ROW_TASKS);
+  int per = (rows + tasks - 1) / std::max(tasks, 1);
+  tasks = (rows + per - 1) / std::max(per, 1);
+  run_tasks(tasks, work, [&](int i) {
+    fn(i * per, std::min(rows, (i + 1) * per));
+  });
+}
+
+// An input's float data as rows along its last axis: where each row starts (in
+// elements), with a row-major copy for an input whose last axis is strided.
+struct Rows {
+  const float* data;
+  std::vector<int64_t> starts;
+  std::vector<float> copy;
+};
+
+// Offsets (in elements) of the first element of each row of `a` (its last axis).
+std::vector<int64_t> row_starts(const mx::array& a) {
+  int n = a.ndim() ? a.shape(-1) : 1;
+  int64_t rows = n ? int64_t(a.size()) / n : 0;
+  std::vector<int64_t> starts(rows);
+  if (a.flags().row_contiguous) {
+    for (int64_t r = 0; r < rows; r++) {
+      starts[r] = r * n;
+    }
+    return starts;
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t rest = r, offset = 0;
+    for (int axis = a.ndim() - 2; axis >= 0; axis--) {
+      offset += (rest % a.shape(axis)) * a.strides(axis);
+      rest /= a.shape(axis);
+    }
+    starts[r] = offset;
+  }
+  return starts;
+}
+
+Rows rows_of(const mx::array& a) {
+  Rows r;
+  r.data = a.data<float>();
+  r.starts = row_starts(a);
+  int n = a.ndim() ? a.shape(-1) : 1;
+  if (a.ndim() && a.shape(-1) > 1 && a.strides(-1) != 1) {
+    r.copy.resize(a.size());
+    int64_t step = a.strides(-1);
+    for (size_t row = 0; row < r.starts.size(); row++) {
+      for (int i = 0; i < n; i++) {
+        r.copy[row * n + i] = r.data[r.starts[row] + i * step];
+      }
+      r.starts[row] = int64_t(row) * n;
+    }
+    r.data = r.copy.data();
+  }
+  return r;
+}
+
+// A strided 4-D input read in place where its last axis is contiguous, else
+// copied row-major.
+struct Tensor4 {
+  const float* data;
+  int64_t strides[4];
+  std::vector<float> copy;
+};
+
+Tensor4 tensor4(const mx::array& a) {
+  Tensor4 t;
+  t.data = a.data<float>();
+  for (int i = 0; i < 4; i++) {
+    t.strides[i] = a.strides(i);
+  }
+  if (a.shape(3) > 1 && a.strides(3) != 1) {
+    Rows r = rows_of(a);
+    t.copy = std::move(r.copy);
+    t.data = t.copy.data();
+    int64_t stride = 1;
+    for (int i = 3; i >= 0; i--) {
+      t.strides[i] = stride;
+      stride *= a.shape(i);
+    }
+  }
+  return t;
+}
+
+mx::array as(const mx::array& a, mx::Dtype dtype, mx::Stream s) {
+  return a.dtype() == dtype ? a : mx::astype(a, dtype, s);
+}
+
+void check_floating(const char* op, mx::Dtype dtype) {
+  if (!mx::issubdtype(dtype, mx::floating)) {
+    std::ostringstream msg;
+    msg << "[" << op << "] Received unsupported type " << dtype << ".";
+    throw std::invalid_argument(msg.str());
+  }
+}
+
+void check_vector(const char* op, const char* what, const mx::array& a, int size) {
+  if (a.ndim() != 1 || a.shape(0) != size) {
+    std::ostringstream msg;
+    msg << "[" << op << "] " << what << " must have shape (" << size
+        << ",) but has shape " << a.shape() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+}
+
+mx::array norm(
+    const char* op,
+    bool rms,
+    const mx::array& x,
+    const std::optional<mx::array>& weight,
+    const std::optional<mx::array>& bias,
+    float eps,
+    mx::StreamOrDevice s_) {
+  if (x.ndim() == 0) {
+    throw std::invalid_argument(
+        std::string("[") + op + "] Input must have at least 1 dimension.");
+  }
+  auto out_type = x.dtype();
+  std::vector<mx::array> inputs;
+  auto s = mx::to_stream(s_, mx::Device::cpu);
+  for (auto* a : {&weight, &bias}) {
+    if (a->has_value()) {
+      check_vector(op, a == &weight ? "weight" : "bias", **a, x.shape(-1));
+      out_type = mx::promote_types(out_type, (*a)->dtype());
+    }
+  }
+  check_floating(op, out_type);
+  inputs.push_back(as(x, mx::float32, s));
+  for (auto* a : {&weight, &bias}) {
+    if (a->has_value()) {
+      inputs.push_back(as(**a, mx::float32, s));
+    }
+  }
+  auto y = mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<CpuNorm>(
+          s, rms, weight.has_value(), bias.has_value(), eps),
+      std::move(inputs));
+  return as(y, out_type, s);
+}
+
+} // namespace
+
+mx::array rms_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& weight,
+    float eps,
+    mx::StreamOrDevice s) {
+  return norm("rms_norm", true, x, weight, std::nullopt, eps, s);
+}
+
+mx::array layer_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& weight,
+    const std::optional<mx::array>& bias,
+    float eps,
+    mx::StreamOrDevice s) {
+  return norm("layer_norm", false, x, weight, bias, eps, s);
+}
+
+void CpuNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch_task(stream(), inputs, out, [rms = rms_,
+                                        has_weight = has_weight_,
+                                        has_bias = has_bias_,
+                                        eps = eps_](std::vector<mx::array>& in, mx::array& out) {
+    Rows x = rows_of(in[0]);
+    const float* w = has_weight ? in[1].data<float>() : nullptr;
+    const float* b = has_bias ? in[has_weight ? 2 : 1].data<float>() : nullptr;
+    int n = in[0].shape(-1);
+    int rows = int(x.starts.size());
+    float* y = out.data<float>();
+    const RowKernels& k = row_kernels();
+    for_rows(rows, double(rows) * n * 4, [&](int r0, int r1) {
+      for (int r = r0; r < r1; r++) {
+        const float* row = x.data + x.starts[r];
+        if (rms) {
+          k.rms_norm(row, w, y + int64_t(r) * n, n, eps);
+        } else {
+          k.layer_norm(row, w, b, y + int64_t(r) * n, n, eps);
+        }
+      }
+    });
+  });
+}
+
+void CpuNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[CpuNorm] runs on the CPU only");
+}
+
+bool CpuNorm::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const CpuNorm&>(other);
+  return rms_ == o.rms_ && has_weight_ == o.has_weight_ &&
+      has_bias_ == o.has_bias_ && eps_ == o.eps_;
+}
+
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    std::optional<float> base,
+    float scale,
+    const std::variant<int, mx::array>& offset_,
+    const std::optional<mx::array>& freqs,
+    mx::StreamOrDevice s_) {
+  auto s = mx::to_stream(s_, mx::Device::cpu);
+  mx::array offset = std::holds_alternative<int>(offset_)
+      ? mx::array(std::get<int>(offset_), mx::int32)
+      : std::get<mx::array>(offset_);
+  if (x.ndim() < 3) {
+    std::ostringstream msg;
+    msg << "[rope] Input must have at least 3 dimensions but got input with "
+        << x.ndim() << " dimensions.";
+    throw std::invalid_argument(msg.str());
+  }
+  check_floating("rope", x.dtype());
+  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.shape(0))) {
+    std::ostringstream msg;
+    msg << "[rope] offset must be a scalar or vector with " << x.shape(0)
+        << " elements but has shape " << offset.shape() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  if (!mx::issubdtype(offset.dtype(), mx::integer)) {
+    throw std::invalid_argument("[rope] offset must be an integer.");
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    std::ostringstream msg;
+    msg << "[rope] dims must be positive, even and at most " << x.shape(-1)
+        << " but got " << dims << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  if (freqs.has_value() == base.has_value()) {
+    throw std::invalid_argument(
+        "[rope] Exactly one of base or freqs must have a value.");
+  }
+  std::vector<mx::array> inputs = {
+      as(x, mx::float32, s), as(offset, mx::int32, s)};
+  if (freqs) {
+    check_vector("rope", "freqs", *freqs, dims / 2);
+    inputs.push_back(as(*freqs, mx::float32, s));
+  }
+  auto y = mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<CpuRoPE>(
+          s, dims, traditional, base.value_or(1.0f), scale),
+      std::move(inputs));
+  return as(y, x.dtype(), s);
+}
+
+namespace {
+
+// The cosines and sines of the positions a RoPE call rotates, kept for the next
+// call: a step's layers all rotate the same positions.
+struct Angles {
+  int half = 0;
+  int length = 0;
+  float scale = 0.0f;
+  std::vector<int> offsets;
+  std::vector<float> inv_freqs;
+  std::vector<float> cos;
+  std::vector<float> sin;
+
+  // Rows of `half` values for offsets[i] + t at i * length + t.
+  void update(
+      const std::vector<int>& new_offsets,
+      int new_length,
+      float new_scale,
+      const std::vector<float>& new_inv_freqs) {
+    if (new_offsets == offsets && new_length == length && new_scale == scale &&
+        new_inv_freqs == inv_freqs) {
+      return;
+    }
+    offsets = new_offsets;
+    length = new_length;
+    scale = new_scale;
+    inv_freqs = new_inv_freqs;
+    half = int(inv_freqs.size());
+    size_t n = offsets.size() * size_t(length) * half;
+    cos.resize(n);
+    sin.resize(n);
+    namespace simd = mx::simd;
+    for (size_t o = 0; o < offsets.size(); o++) {
+      for (int t = 0; t < length; t++) {
+        // As MLX's fallback rounds them: (t + offset) * scale, then each angle.
+        float position = (float(t) + float(offsets[o])) * scale;
+        size_t row = (o * length + t) * half;
+        for (int i = 0; i < half; i++) {
+          simd::Simd<float, 1> theta(position * inv_freqs[i]);
+          cos[row + i] = simd::cos(theta).value;
+          sin[row + i] = simd::sin(theta).value;
+        }
+      }
+    }
+  }
+};
+
+} // namespace
+
+void CpuRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch_task(stream(), inputs, out, [dims = dims_,
+                                        traditional = traditional_,
+                                        base = base_,
+                                        scale = scale_](std::vector<mx::array>& in, mx::array& out) {
+    thread_local Angles angles;
+    auto& x = in[0];
+    int half = dims / 2;
+    std::vector<float> inv_freqs(half);
+    if (in.size() == 3) {
+      const float* f = in[2].data<float>();
+      for (int i = 0; i < half; i++) {
+        inv_freqs[i] = 1.0f / f[i];
+      }
+    } else {
+      float step = std::log(base) / float(half);
+      for (int i = 0; i < half; i++) {
+        inv_freqs[i] = mx::simd::exp(mx::simd::Simd<float, 1>(float(-i) * step)).value;
+      }
+    }
+    const int* o = in[1].data<int>();
+    std::vector<int> offsets(in[1].size());
+    for (size_t i = 0; i < offsets.size(); i++) {
+      offsets[i] = o[in[1].ndim() ? i * in[1].strides(0) : 0];
+    }
+    int length = x.shape(-2);
+    int n = x.shape(-1);
+    angles.update(offsets, length, scale, inv_freqs);
+    Rows rows = rows_of(x);
+    int count = int(rows.starts.size());
+    // Rows of one batch entry, and whether each entry has its own offset.
+    int per_batch = count / x.shape(0);
+    bool own = offsets.size() > 1;
+    float* y = out.data<float>();
+    const RowKernels& k = row_kernels();
+    // This thread's tables: the workers' own thread_local ones are empty.
+    const float* cos = angles.cos.data();
+    const float* sin = angles.sin.data();
+    for_rows(count, double(count) * n * 3, [&](int r0, int r1) {
+      for (int r = r0; r < r1; r++) {
+        int t = r % length;
+        size_t at = ((own ? r / per_batch : 0) * size_t(length) + t) * half;
+        k.rope(
+            rows.data + rows.starts[r],
+            cos + at,
+            sin + at,
+            y + int64_t(r) * n,
+            dims,
+            n,
+            traditional);
+      }
+    });
+  });
+}
+
+void CpuRoPE::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[CpuRoPE] runs on the CPU only");
+}
+
+bool CpuRoPE::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const CpuRoPE&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ &&
+      base_ == o.base_ && scale_ == o.scale_;
+}
+
+mx::array attention(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    float scale,
+    const std::string& mask_mode,
+    const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& sinks,
+    mx::StreamOrDevice s_) {
+  const char* op = "scaled_dot_product_attention";
+  for (auto* a : {&queries, &keys, &values}) {
+    if (a->ndim() != 4) {
+      std::ostringstream msg;
+      msg << "[" << op << "] input with shape " << a->shape()
+          << " expected to be rank 4";
+      throw std::invalid_argument(msg.str());
+    }
+  }
+  int B = queries.shape(0), heads = queries.shape(1), L = queries.shape(2);
+  int kv_heads = keys.shape(1), S = keys.shape(2);
+  if (keys.shape(0) != B || values.shape(0) != B || values.shape(1) != kv_heads ||
+      values.shape(2) != S || keys.shape(3) != queries.shape(3) ||
+      heads % kv_heads != 0) {
+    std::ostringstream msg;
+    msg << "[" << op << "] incompatible shapes: queries " << queries.shape()
+        << ", keys " << keys.shape() << ", values " << values.shape() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  if (mask_mode != "" && mask_mode != "causal" && mask_mode != "array") {
+    throw std::invalid_argument(
+        "[" + std::string(op) + "] mask_mode must be 'causal', 'array' or ''.");
+  }
+  auto out_type = mx::promote_types(
+      queries.dtype(), mx::promote_types(keys.dtype(), values.dtype()));
+  check_floating(op, out_type);
+  auto s = mx::to_stream(s_, mx::Device::cpu);
+  std::vector<mx::array> inputs = {
+      as(queries, mx::float32, s),
+      as(keys, mx::float32, s),
+      as(values, mx::float32, s)};
+  bool has_mask = mask_mode == "array" || (mask_mode == "" && mask.has_value());
+  if (has_mask) {
+    if (!mask.has_value()) {
+      throw std::invalid_argument(
+          "[" + std::string(op) + "] mask_mode 'array' needs a mask.");
+    }
+    const mx::Shape target = {B, heads, L, S};
+    bool fits = mask->ndim() <= 4;
+    for (int i = 1; fits && i <= mask->ndim(); i++) {
+      int size = mask->shape(-i);
+      fits = size == 1 || size == target[4 - i];
+    }
+    if (!fits) {
+      std::ostringstream msg;
+      msg << "[" << op << "] the mask with shape " << mask->shape()
+          << " does not broadcast to " << target << ".";
+      throw std::invalid_argument(msg.str());
+    }
+    inputs.push_back(
+        mask->dtype() == mx::bool_ ? *mask : as(*mask, mx::float32, s));
+  }
+  if (sinks.has_value()) {
+    check_vector(op, "sinks", *sinks, heads);
+    inputs.push_back(as(*sinks, mx::float32, s));
+  }
+  auto y = mx::array(
+      {B, heads, L, values.shape(3)},
+      mx::float32,
+      std::make_shared<CpuAttention>(
+          s, scale, mask_mode == "causal", has_mask, sinks.has_value()),
+      std::move(inputs));
+  return as(y, out_type, s);
+}
+
+void CpuAttention::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  dispatch_task(stream(), inputs, out, [scale = scale_,
+                                        causal = causal_,
+                                        has_mask = has_mask_,
+                                        has_sinks = has_sinks_](std::vector<mx::array>& in, mx::array& out) {
+    Tensor4 q = tensor4(in[0]), k = tensor4(in[1]), v = tensor4(in[2]);
+    int B = in[0].shape(0), heads = in[0].shape(1), L = in[0].shape(2);
+    int D = in[0].shape(3);
+    int kv_heads = in[1].shape(1), S = in[1].shape(2), Dv = in[2].shape(3);
+    int repeats = heads / kv_heads;
+    // The mask's strides over [B, heads, L, S], 0 along the axes it broadcasts.
+    const void* mask = nullptr;
+    bool keep_mask = false;
+    int64_t mask_strides[4] = {0, 0, 0, 0};
+    std::vector<char> mask_copy;
+    if (has_mask) {
+      auto& m = in[3];
+      keep_mask = m.dtype() == mx::bool_;
+      mask = m.data<char>();
+      for (int i = 1; i <= m.ndim(); i++) {
+        mask_strides[4 - i] = m.shape(-i) == 1 ? 0 : m.strides(-i);
+      }
+    }
+    const float* sinks = has_sinks ? in.back().data<float>() : nullptr;
+    float* y = out.data<float>();
+    const RowKernels& kernels = row_kernels();
+    int rows = B * heads * L;
+    double work = double(rows) * S * (D + Dv);
+    for_rows(rows, work, [&](int r0, int r1) {
+      thread_local std::vector<float> scores;
+      scores.resize(std::max(S, 1));
+      for (int r = r0; r < r1; r++) {
+        int l = r % L, h = (r / L) % heads, b = r / (L * heads);
+        int kv = h / repeats;
+        fused::AttentionRow row;
+        row.q = q.data + b * q.strides[0] + h * q.strides[1] + l * q.strides[2];
+        row.k = k.data + b * k.strides[0] + kv * k.strides[1];
+        row.v = v.data + b * v.strides[0] + kv * v.strides[1];
+        row.k_stride = k.strides[2];
+        row.v_stride = v.strides[2];
+        row.dims = D;
+        row.value_dims = Dv;
+        row.keys = causal ? std::clamp(S - L + l + 1, 0, S) : S;
+        row.keep = nullptr;
+        row.bias = nullptr;
+        row.mask_stride = mask_strides[3];
+        if (mask != nullptr) {
+          int64_t at = b * mask_strides[0] + h * mask_strides[1] +
+              l * mask_strides[2];
+          if (keep_mask) {
+            row.keep = static_cast<const bool*>(mask) + at;
+          } else {
+            row.bias = static_cast<const float*>(mask) + at;
+          }
+        }
+        row.scale = scale;
+        row.has_sink = sinks != nullptr;
+        row.sink = sinks != nullptr ? sinks[h] : 0.0f;
+        row.out = y + int64_t(r) * Dv;
+        kernels.attention(row, scores.data());
+      }
+    });
+  });
+}
+
+void CpuAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[CpuAttention] runs on the CPU only");
+}
+
+bool CpuAttention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const CpuAttention&>(other);
+  return scale_ == o.scale_ && causal_ == o.causal_ &&
+      has_mask_ == o.has_mask_ && has_sinks_ == o.has_sinks_;
+}
+
+std::vector<mx::Shape> CpuAttention::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  auto& q = inputs[0];
+  return {{q.shape(0), q.shape(1), q.shape(2), inputs[2].shape(3)}};
+}
+
+void set_fused_isa(const std::string& isa) {
+  const RowKernels& best = best_table();
+  if (isa == "auto" || isa == best.isa) {
+    chosen.store(&best);
+  } else if (isa == "portable") {
+    chosen.store(&portable_table());
+  } else {
+    throw std::invalid_argument(
+        "[fused] isa must be auto, portable or " + std::string(best.isa));
+  }
+}
+
+std::string fused_isa() {
+  return row_kernels().isa;
+}
+
+} // namespace qmm

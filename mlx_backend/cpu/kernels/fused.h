@@ -1,0 +1,143 @@
+// MLX's fast operations as CPU primitives: RMS norm, layer norm, RoPE and
+// attention, each one node of the graph where MLX's CPU fallback runs 8 to 30.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace qmm {
+
+namespace mx = mlx::core;
+
+mx::array rms_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& weight,
+    float eps,
+    mx::StreamOrDevice s = {});
+
+mx::array layer_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& weight,
+    const std::optional<mx::array>& bias,
+    float eps,
+    mx::StreamOrDevice s = {});
+
+// mx.fast.rope's forward rotation: angles from `base` or from `freqs`.
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    std::optional<float> base,
+    float scale,
+    const std::variant<int, mx::array>& offset,
+    const std::optional<mx::array>& freqs,
+    mx::StreamOrDevice s = {});
+
+// mx.fast.scaled_dot_product_attention: mask_mode "", "causal" or "array".
+mx::array attention(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    float scale,
+    const std::string& mask_mode,
+    const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& sinks,
+    mx::StreamOrDevice s = {});
+
+class CpuNorm : public mx::UnaryPrimitive {
+ public:
+  // rms: RMS norm, else layer norm; inputs: x, then the weight and bias it has.
+  CpuNorm(mx::Stream stream, bool rms, bool has_weight, bool has_bias, float eps)
+      : mx::UnaryPrimitive(stream),
+        rms_(rms),
+        has_weight_(has_weight),
+        has_bias_(has_bias),
+        eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return rms_ ? "CpuRMSNorm" : "CpuLayerNorm";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  bool rms_;
+  bool has_weight_;
+  bool has_bias_;
+  float eps_;
+};
+
+class CpuRoPE : public mx::UnaryPrimitive {
+ public:
+  // Inputs: x, the offset (a scalar or one per batch row), then freqs if given.
+  CpuRoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::UnaryPrimitive(stream),
+        dims_(dims),
+        traditional_(traditional),
+        base_(base),
+        scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CpuRoPE";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;
+  float scale_;
+};
+
+class CpuAttention : public mx::UnaryPrimitive {
+ public:
+  // Inputs: queries, keys, values, then the array mask and sinks it has.
+  CpuAttention(
+      mx::Stream stream,
+      float scale,
+      bool causal,
+      bool has_mask,
+      bool has_sinks)
+      : mx::UnaryPrimitive(stream),
+        scale_(scale),
+        causal_(causal),
+        has_mask_(has_mask),
+        has_sinks_(has_sinks) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CpuAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  bool causal_;
+  bool has_mask_;
+  bool has_sinks_;
+};
+
+// The instruction set the fused kernels run on: "auto" picks the best this CPU
+// has, "portable" the plain C++ ones.
+void set_fused_isa(const std::string& isa);
+std::string fused_isa();
+
+} // namespace qmm

@@ -1,0 +1,61 @@
+// The fused operations' row kernels, on float32. The loops are written for the
+// compiler to vectorize (fixed-width accumulators, no branches in the inner
+// loops); fused_portable.cpp and fused_avx2.cpp build them for their targets.
+#pragma once
+
+#include <cstdint>
+
+namespace qmm::fused {
+
+// One query row of attention against its keys and values.
+struct AttentionRow {
+  const float* q; // [dims]
+  const float* k; // key j at k + j * k_stride
+  const float* v; // value j at v + j * v_stride
+  int64_t k_stride;
+  int64_t v_stride;
+  int dims;
+  int value_dims;
+  int keys; // the keys it may see: 0 .. keys - 1
+  // At most one mask: entry j at mask + j * mask_stride.
+  const bool* keep;
+  const float* bias;
+  int64_t mask_stride;
+  float scale;
+  bool has_sink;
+  float sink;
+  float* out; // [value_dims]
+};
+
+struct RowKernels {
+  const char* isa;
+  // y = x / rms(x) * w (w may be null).
+  void (*rms_norm)(const float* x, const float* w, float* y, int n, float eps);
+  // y = (x - mean) / std(x) * w + b (w, b may be null).
+  void (*layer_norm)(
+      const float* x,
+      const float* w,
+      const float* b,
+      float* y,
+      int n,
+      float eps);
+  // y = x rotated by the angles with cosines c and sines s (dims / 2 each); the
+  // rest of the row (dims .. n) copied.
+  void (*rope)(
+      const float* x,
+      const float* c,
+      const float* s,
+      float* y,
+      int dims,
+      int n,
+      bool traditional);
+  // One row of softmax(q k^T * scale + mask) v; scores: room for `keys` floats.
+  void (*attention)(const AttentionRow& row, float* scores);
+};
+
+RowKernels portable_rows();
+#if defined(__x86_64__)
+RowKernels avx2_rows();
+#endif
+
+} // namespace qmm::fused
