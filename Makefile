@@ -75,7 +75,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
-# All twelve parts; the tables are appended to bench/RESULTS.md.
+# All thirteen parts; the tables are appended to bench/RESULTS.md.
 bench: test-deps $(VENV)/.bench-installed
 	$(PY) -m bench.bench
 

@@ -45,6 +45,10 @@
    (float32 and int8 activations) against the float32 path and MLX's own quantized
    kernel: decode at 1, 8 and 16 streams, prefill, peak memory, the bytes read per
    step; and a random 1B-class 4-bit llama on the kernels against MLX's.
+13. CPU decode step (bench/cpu_step.py; Linux CPU): the fused primitives (norms,
+   RoPE and attention as one node each, sibling projections as one kernel call)
+   on and off: graph nodes, host and evaluation ms of a step, decode tok/s
+   in-process, and on two servers 1, 8 and 16 streams and prefill.
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the
@@ -71,6 +75,7 @@ from bench.batching import bench_batching
 from bench.chat_formats import bench_chat_formats
 from bench.cpu_kernels import bench_cpu_kernels
 from bench.cpu_paths import bench_cpu_paths
+from bench.cpu_step import bench_cpu_step
 from bench.distributed import bench_distributed
 from bench.memory import bench_memory
 from bench.model_families import bench_model_families
@@ -139,7 +144,7 @@ def append_results(path: Path, header: str, parts: list[int], lines: list[str]) 
     the date (UTC), the commit and the machine's ``header``, then ``lines`` fenced."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ran = ", ".join(map(str, parts))
-    which = "all" if parts == list(range(1, 13)) else ran
+    which = "all" if parts == list(range(1, 14)) else ran
     tables = "\n".join(line.rstrip() for line in lines).strip("\n")
     section = [
         "",
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families-rounds", type=int, default=1)
     parser.add_argument("--admission-rounds", type=int, default=2)
     parser.add_argument("--kernel-rounds", type=int, default=2)
+    parser.add_argument("--step-rounds", type=int, default=3)
     parser.add_argument(
         "--admission-flood-tokens",
         type=int,
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 13)),
+        default=set(range(1, 14)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -306,6 +312,12 @@ def main(argv: list[str] | None = None) -> None:
             running_process, args.kernel_rounds, args.tokens, args.batch_tokens
         )
         lines += [""] + part
+    if 13 in parts and sys.platform == "linux":
+        # Its two servers alone, after the other parts' are gone.
+        report["cpu_step"], part = bench_cpu_step(
+            running_process, args.step_rounds, args.tokens, args.batch_tokens
+        )
+        lines += [""] + part
     if 7 in parts:
         # After the other parts' servers are gone: each rank wants the cores.
         report["distributed"], part = bench_distributed(
@@ -319,7 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
     if not args.no_results:
         linux = sys.platform == "linux"  # parts 2 and 12 run on Linux only
-        ran = [n for n in range(1, 13) if n in parts and (n not in (2, 12) or linux)]
+        ran = [
+            n for n in range(1, 14) if n in parts and (n not in (2, 12, 13) or linux)
+        ]
         append_results(RESULTS, header, ran, lines)
         sys.stdout.write(f"appended to {RESULTS}\n")
 

@@ -8,6 +8,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models import llama
 
 from mlx_backend.cpu import kernels
 from mlx_backend.cpu.compute_path import prepare_for_cpu
@@ -158,6 +159,62 @@ def tiny_quantized_model(bits: int = 4, group_size: int = 32) -> nn.Module:
     nn.quantize(model, group_size=group_size, bits=bits)
     mx.eval(model.parameters())
     return model
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_sibling_products_in_one_call_match_each_alone(qmm, rows, activations):
+    # q, k and v of the default model's shapes; 40 rows go to sgemm tiles.
+    weights = [quantized(n, 576, 4, 32, mx.float16, 30 + n) for n in (576, 192, 192)]
+    x = mx.random.normal((rows, 576), key=mx.random.key(31))
+    qmm.set_activations(activations)
+    together = qmm.quantized_matmuls(x, *zip(*weights), 32, 4)
+    alone = [qmm.quantized_matmul(x, *w, 32, 4) for w in weights]
+    qmm.set_activations("float32")
+    assert [y.shape for y in together] == [(rows, 576), (rows, 192), (rows, 192)]
+    # The same kernels over the same rows, summed in the same order.
+    assert all(mx.array_equal(a, b) for a, b in zip(together, alone))
+
+
+def tiny_quantized_llama() -> nn.Module:
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=50,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_siblings_share_one_call_and_stop_when_a_family_calls_them_apart(qmm):
+    model = tiny_quantized_llama()
+    tokens = mx.array([[1, 2, 3, 4]])
+    kernels.use_kernels(model)
+    attention = model.layers[0].self_attn
+    assert type(attention.k_proj) is kernels.KernelSiblingLinear
+    assert type(model.layers[1].mlp.up_proj) is kernels.KernelSiblingLinear
+    shared = model(tokens)
+    for layer in model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            layer.self_attn[name].__class__ = kernels.KernelQuantizedLinear
+        for name in ("gate_proj", "up_proj"):
+            layer.mlp[name].__class__ = kernels.KernelQuantizedLinear
+    assert mx.array_equal(model(tokens), shared)
+    # Called on different inputs, the siblings compute their own from then on.
+    kernels.share_inputs(model)
+    x, other = mx.ones((1, 64)), mx.zeros((1, 64))
+    alone = kernels.KernelQuantizedLinear.__call__
+    k = attention.k_proj(x)
+    assert mx.array_equal(attention.q_proj(other), alone(attention.q_proj, other))
+    assert not attention.q_proj.shared_input.on
+    assert mx.array_equal(k, alone(attention.k_proj, x))
 
 
 def test_use_kernels_routes_the_formats_they_take(qmm):

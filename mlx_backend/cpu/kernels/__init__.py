@@ -22,6 +22,9 @@ from mlx_backend.switches import switched_off
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "MLX_BACKEND_CPU_KERNELS"
+# Off: MLX's graphs for norms, RoPE and attention (fast_ops.py), and one kernel
+# call per projection (no sibling calls).
+FAST_OPS_ENV = "MLX_BACKEND_CPU_FAST_OPS"
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
 
@@ -98,6 +101,99 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
+class _SharedInput:
+    """Sibling projections of one input (q, k and v; gate and up): the first to
+    see an x computes every sibling's output in one kernel call, the others take
+    theirs."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.x = None
+        self.outputs = ()
+        self.unread = 0
+        # Off for good once a call finds the last x's outputs not all taken: this
+        # family calls the siblings on different inputs.
+        self.on = True
+
+    def output(self, layer: "KernelSiblingLinear", x: mx.array) -> mx.array | None:
+        if not self.on:
+            return None
+        if self.x is not x:
+            if self.unread:
+                self.on, self.x, self.outputs = False, None, ()
+                return None
+            first = self.layers[0]
+            self.outputs = _qmm.quantized_matmuls(
+                x,
+                [m["weight"] for m in self.layers],
+                [m["scales"] for m in self.layers],
+                [m["biases"] for m in self.layers],
+                first.group_size,
+                first.bits,
+            )
+            self.x, self.unread = x, len(self.layers)
+        y = self.outputs[layer.sibling_index]
+        self.unread -= 1
+        if self.unread <= 0:
+            # Taken by all: don't keep the activations alive until the next call.
+            self.x, self.outputs, self.unread = None, (), 0
+        return y
+
+
+class KernelSiblingLinear(KernelQuantizedLinear):
+    """A kernel linear layer whose siblings take the same input: one kernel call
+    computes them all (``_SharedInput``)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.shared_input.output(self, x)
+        if y is None:
+            return super().__call__(x)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+# Sibling projections that mlx-lm's families call on the same input, one after
+# the other.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Make each group of ``SIBLINGS`` on the kernels one kernel call; how many
+    groups."""
+    if switched_off(os.environ, FAST_OPS_ENV):
+        return 0
+    groups = 0
+    for _, module in model.named_modules():
+        for names in SIBLINGS:
+            layers = [module.get(name) for name in names]
+            if not all(type(m) is KernelQuantizedLinear for m in layers):
+                continue
+            first = layers[0]
+            if any(
+                m.bits != first.bits
+                or m.group_size != first.group_size
+                or m["weight"].shape[1] != first["weight"].shape[1]
+                for m in layers
+            ):
+                continue
+            shared = _SharedInput(layers)
+            for index, layer in enumerate(layers):
+                layer.__class__ = KernelSiblingLinear
+                layer.shared_input = shared
+                layer.sibling_index = index
+            groups += 1
+    return groups
+
+
+def set_shared_inputs(model: nn.Module, on: bool) -> None:
+    """Turn ``model``'s sibling calls on or off (the bench's side by side)."""
+    for _, module in model.named_modules():
+        if isinstance(module, KernelSiblingLinear):
+            shared = module.shared_input
+            shared.on, shared.x, shared.outputs, shared.unread = on, None, (), 0
+
+
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` with float32 rows, and the kernels when it is the
     output layer too (tied weights)."""
@@ -156,6 +252,7 @@ def use_kernels(model: nn.Module) -> int:
             routed += 1
     if routed:
         float32_parameters(model)
+        share_inputs(model)
     return routed
 
 

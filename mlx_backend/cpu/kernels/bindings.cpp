@@ -1,6 +1,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 #include <nanobind/stl/variant.h>
 
 #include "fused.h"
@@ -23,6 +24,18 @@ NB_MODULE(_qmm, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "x @ dequantize(w, scales, biases).T on the CPU (MLX's affine layout).");
+  m.def(
+      "quantized_matmuls",
+      &qmm::quantized_matmuls,
+      "x"_a,
+      "ws"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "[x @ dequantize(w_i).T for each i], one node for projections that share x.");
   m.def("settings", [] {
     auto s = qmm::settings();
     nb::dict d;

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_backend.cpu.kernels import load_kernels
+from mlx_backend.cpu.kernels import FAST_OPS_ENV, load_kernels
 from mlx_backend.switches import switched_off
 
 logger = logging.getLogger(__name__)
 
-FAST_OPS_ENV = "MLX_BACKEND_CPU_FAST_OPS"
 # Query rows up to which attention runs on the row kernel (decode, speculation's
 # drafts, short chunks); longer prefill chunks keep MLX's matmul and softmax.
 ATTENTION_ROWS = 16

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <atomic>
@@ -232,52 +233,12 @@ void group_sums(Problem& p, std::vector<float>& xsum) {
   p.xsum = xsum.data();
 }
 
-void compute(Problem p) {
+// y = x @ w.T for many rows of x: a tile of weight rows at a time dequantized for
+// the BLAS's sgemm. On this thread alone: the BLAS's own threads stay busy
+// (spinning) between its calls, and dequantizing is a small share of the tile's
+// time.
+void compute_tiles(const Problem& p, const Kernels& k) {
   State& s = state();
-  Kernels k = simd_shape(p) ? s.kernels
-                            : Kernels{"portable", rows_portable, dequantize_portable};
-  int per_task = std::max(
-      ROWS_PER_TASK, (p.N + s.pool.size() * TASKS_PER_THREAD - 1) /
-          (s.pool.size() * TASKS_PER_THREAD));
-  per_task = (per_task + 7) / 8 * 8;
-  int tasks = (p.N + per_task - 1) / per_task;
-  auto span = [&](int i) {
-    return std::pair{i * per_task, std::min(p.N, (i + 1) * per_task)};
-  };
-  if (p.M <= s.rows_limit || s.sgemm == nullptr) {
-    std::vector<float> xsum;
-    group_sums(p, xsum);
-    RowsKernel rows = k.rows;
-    std::vector<int8_t> x8;
-    std::vector<int16_t> x16;
-    std::vector<float> xd(size_t(p.M) * (p.K / p.group_size));
-    p.xd = xd.data();
-    if (s.activations == "int16" && k.rows_int16 != nullptr) {
-      x16.resize(size_t(p.M) * p.K);
-      quantize_rows(p, p.bits == 4, x16.data(), xd.data());
-      p.xq = x16.data();
-      rows = k.rows_int16;
-    } else if (s.activations == "int8" && k.rows_int8 != nullptr) {
-      x8.resize(size_t(p.M) * p.K);
-      quantize_rows(p, p.bits == 4, x8.data(), xd.data());
-      p.xq = x8.data();
-      rows = k.rows_int8;
-    }
-    // A small matmul runs on this thread alone: waking a worker costs more than
-    // it saves, and the other core builds the next step's graph meanwhile.
-    bool parallel = double(p.M) * p.N * p.K >= s.parallel_work;
-    s.pool.run(
-        tasks,
-        [&](int i) {
-          auto [n0, n1] = span(i);
-          rows(p, n0, n1);
-        },
-        parallel);
-    return;
-  }
-  // Many rows: dequantize a tile of weight rows at a time, for the BLAS's sgemm.
-  // On this thread alone: the BLAS's own threads stay busy (spinning) between its
-  // calls, and dequantizing is a small share of the tile's time.
   thread_local std::vector<float> tile;
   tile.resize(size_t(TILE_ROWS) * p.K);
   for (int t0 = 0; t0 < p.N; t0 += TILE_ROWS) {
@@ -287,6 +248,68 @@ void compute(Problem p) {
         ROW_MAJOR, NO_TRANS, TRANS, p.M, t1 - t0, p.K, 1.0f, p.x, p.K,
         tile.data(), p.K, 0.0f, p.y + t0, p.N);
   }
+}
+
+// y_i = x @ w_i.T for problems that share x (the same rows, inputs, bits and
+// group size): x is prepared once, and the threads run once for all of them.
+void compute(std::vector<Problem>& ps) {
+  State& s = state();
+  Problem& first = ps[0];
+  Kernels k = simd_shape(first)
+      ? s.kernels
+      : Kernels{"portable", rows_portable, dequantize_portable};
+  if (first.M > s.rows_limit && s.sgemm != nullptr) {
+    for (auto& p : ps) {
+      compute_tiles(p, k);
+    }
+    return;
+  }
+  std::vector<float> xsum;
+  group_sums(first, xsum);
+  RowsKernel rows = k.rows;
+  std::vector<int8_t> x8;
+  std::vector<int16_t> x16;
+  std::vector<float> xd(size_t(first.M) * (first.K / first.group_size));
+  first.xd = xd.data();
+  if (s.activations == "int16" && k.rows_int16 != nullptr) {
+    x16.resize(size_t(first.M) * first.K);
+    quantize_rows(first, first.bits == 4, x16.data(), xd.data());
+    first.xq = x16.data();
+    rows = k.rows_int16;
+  } else if (s.activations == "int8" && k.rows_int8 != nullptr) {
+    x8.resize(size_t(first.M) * first.K);
+    quantize_rows(first, first.bits == 4, x8.data(), xd.data());
+    first.xq = x8.data();
+    rows = k.rows_int8;
+  }
+  int outputs = 0;
+  for (auto& p : ps) {
+    p.xsum = first.xsum;
+    p.xd = first.xd;
+    p.xq = first.xq;
+    outputs += p.N;
+  }
+  int per_task = std::max(
+      ROWS_PER_TASK, (outputs + s.pool.size() * TASKS_PER_THREAD - 1) /
+          (s.pool.size() * TASKS_PER_THREAD));
+  per_task = (per_task + 7) / 8 * 8;
+  // (problem, first output row, end) of each task.
+  std::vector<std::array<int, 3>> spans;
+  for (int i = 0; i < int(ps.size()); i++) {
+    for (int n0 = 0; n0 < ps[i].N; n0 += per_task) {
+      spans.push_back({i, n0, std::min(ps[i].N, n0 + per_task)});
+    }
+  }
+  // A small matmul runs on this thread alone: waking a worker costs more than
+  // it saves, and the other core builds the next step's graph meanwhile.
+  bool parallel = double(first.M) * outputs * first.K >= s.parallel_work;
+  s.pool.run(
+      int(spans.size()),
+      [&](int t) {
+        auto [i, n0, n1] = spans[t];
+        rows(ps[i], n0, n1);
+      },
+      parallel);
 }
 
 ScaleType scale_type(mx::Dtype dtype) {
@@ -308,14 +331,17 @@ std::string shape_text(const mx::array& a) {
 
 } // namespace
 
-mx::array quantized_matmul(
+namespace {
+
+// Checks that x @ dequantize(w, scales, biases).T is a product the kernels take;
+// its number of outputs.
+int check_weight(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
-    int bits,
-    mx::StreamOrDevice s) {
+    int bits) {
   if (bits != 2 && bits != 4 && bits != 8) {
     throw std::invalid_argument("[quantized_matmul] bits must be 2, 4 or 8");
   }
@@ -348,12 +374,27 @@ mx::array quantized_matmul(
         "[quantized_matmul] x's last axis must be " + std::to_string(K) +
         ", got " + shape_text(x));
   }
+  return N;
+}
+
+// No op but the matmul where none is needed: each op costs microseconds to run
+// on the CPU stream, and a decode step has hundreds of matmuls.
+mx::array as(const mx::array& a, mx::Dtype dtype, mx::Stream stream) {
+  return a.dtype() == dtype ? a : mx::astype(a, dtype, stream);
+}
+
+} // namespace
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  int N = check_weight(x, w, scales, biases, group_size, bits);
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  // No op but the matmul where none is needed: each op costs microseconds to run
-  // on the CPU stream, and a decode step has hundreds of matmuls.
-  auto as = [&](const mx::array& a, mx::Dtype dtype) {
-    return a.dtype() == dtype ? a : mx::astype(a, dtype, stream);
-  };
   auto common = mx::promote_types(scales.dtype(), biases.dtype());
   auto shape = x.shape();
   shape.back() = N;
@@ -361,8 +402,49 @@ mx::array quantized_matmul(
       shape,
       mx::float32,
       std::make_shared<QuantizedMatmul>(stream, group_size, bits),
-      {as(x, mx::float32), w, as(scales, common), as(biases, common)});
-  return mx::issubdtype(x.dtype(), mx::floating) ? as(y, x.dtype()) : y;
+      {as(x, mx::float32, stream),
+       w,
+       as(scales, common, stream),
+       as(biases, common, stream)});
+  return mx::issubdtype(x.dtype(), mx::floating) ? as(y, x.dtype(), stream) : y;
+}
+
+std::vector<mx::array> quantized_matmuls(
+    const mx::array& x,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size()) {
+    throw std::invalid_argument(
+        "[quantized_matmuls] give one or more weights, each with its scales and "
+        "biases");
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {as(x, mx::float32, stream)};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < ws.size(); i++) {
+    auto shape = x.shape();
+    shape.back() = check_weight(x, ws[i], scales[i], biases[i], group_size, bits);
+    shapes.push_back(shape);
+    auto common = mx::promote_types(scales[i].dtype(), biases[i].dtype());
+    inputs.push_back(ws[i]);
+    inputs.push_back(as(scales[i], common, stream));
+    inputs.push_back(as(biases[i], common, stream));
+  }
+  auto ys = mx::array::make_arrays(
+      shapes,
+      std::vector<mx::Dtype>(ws.size(), mx::float32),
+      std::make_shared<QuantizedMatmuls>(stream, group_size, bits),
+      inputs);
+  if (mx::issubdtype(x.dtype(), mx::floating)) {
+    for (auto& y : ys) {
+      y = as(y, x.dtype(), stream);
+    }
+  }
+  return ys;
 }
 
 namespace {
@@ -386,42 +468,103 @@ std::shared_ptr<std::vector<char>> row_major_copy(const mx::array& a) {
 
 } // namespace
 
+namespace {
+
+// The problem of x @ dequantize(w).T into y; `copies` keeps the row-major copies
+// of inputs that aren't.
+Problem problem(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    mx::array& y,
+    int group_size,
+    int bits,
+    std::vector<std::shared_ptr<std::vector<char>>>& copies) {
+  auto data = [&](const mx::array& a) -> const void* {
+    if (a.flags().row_contiguous) {
+      return a.data<void>();
+    }
+    copies.push_back(row_major_copy(a));
+    return copies.back()->data();
+  };
+  Problem p;
+  p.x = static_cast<const float*>(data(x));
+  p.xsum = nullptr;
+  p.xq = nullptr;
+  p.xd = nullptr;
+  p.w = static_cast<const uint32_t*>(data(w));
+  p.scales = data(scales);
+  p.biases = data(biases);
+  p.y = y.data<float>();
+  p.N = w.shape(0);
+  p.K = x.shape(-1);
+  p.M = int(x.size() / p.K);
+  p.bits = bits;
+  p.group_size = group_size;
+  p.scale_type = scale_type(scales.dtype());
+  return p;
+}
+
+} // namespace
+
 void QuantizedMatmul::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   dispatch_task(stream(), inputs, out, [group_size = group_size_, bits = bits_](
                                            std::vector<mx::array>& in, mx::array& out) {
-    auto& x = in[0];
-    auto& w = in[1];
-    auto& scales = in[2];
-    auto& biases = in[3];
-    // Inputs that aren't row-major are copied for the kernels.
     std::vector<std::shared_ptr<std::vector<char>>> copies;
-    auto data = [&](const mx::array& a) -> const void* {
-      if (a.flags().row_contiguous) {
-        return a.data<void>();
-      }
-      copies.push_back(row_major_copy(a));
-      return copies.back()->data();
-    };
-    Problem p;
-    p.x = static_cast<const float*>(data(x));
-    p.xsum = nullptr;
-    p.xq = nullptr;
-    p.xd = nullptr;
-    p.w = static_cast<const uint32_t*>(data(w));
-    p.scales = data(scales);
-    p.biases = data(biases);
-    p.y = out.data<float>();
-    p.N = w.shape(0);
-    p.K = x.shape(-1);
-    p.M = int(x.size() / p.K);
-    p.bits = bits;
-    p.group_size = group_size;
-    p.scale_type = scale_type(scales.dtype());
+    std::vector<Problem> ps = {
+        problem(in[0], in[1], in[2], in[3], out, group_size, bits, copies)};
     std::lock_guard<std::mutex> lock(state().mutex);
-    compute(p);
+    compute(ps);
   });
+}
+
+void QuantizedMatmuls::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  dispatch_task(stream(), inputs, outputs, [group_size = group_size_, bits = bits_](
+                                               std::vector<mx::array>& in,
+                                               std::vector<mx::array>& out) {
+    std::vector<std::shared_ptr<std::vector<char>>> copies;
+    std::vector<Problem> ps;
+    for (size_t i = 0; i < out.size(); i++) {
+      ps.push_back(problem(
+          in[0],
+          in[1 + 3 * i],
+          in[2 + 3 * i],
+          in[3 + 3 * i],
+          out[i],
+          group_size,
+          bits,
+          copies));
+    }
+    std::lock_guard<std::mutex> lock(state().mutex);
+    compute(ps);
+  });
+}
+
+void QuantizedMatmuls::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  throw std::runtime_error("[quantized_matmuls] runs on the CPU only");
+}
+
+bool QuantizedMatmuls::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QuantizedMatmuls&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> QuantizedMatmuls::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 1; i < inputs.size(); i += 3) {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[i].shape(0);
+    shapes.push_back(shape);
+  }
+  return shapes;
 }
 
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {

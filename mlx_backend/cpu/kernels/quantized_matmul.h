@@ -21,6 +21,43 @@ mx::array quantized_matmul(
     int bits,
     mx::StreamOrDevice s = {});
 
+// [x @ dequantize(w_i, scales_i, biases_i).T for each i]: projections that share
+// x (q, k and v; gate and up) as one node, x prepared once and the threads run
+// once for all of them.
+std::vector<mx::array> quantized_matmuls(
+    const mx::array& x,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+class QuantizedMatmuls : public mx::Primitive {
+ public:
+  // Inputs: x, then each weight's w, scales and biases.
+  QuantizedMatmuls(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "CpuQuantizedMatmuls";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
   QuantizedMatmul(mx::Stream stream, int group_size, int bits)
