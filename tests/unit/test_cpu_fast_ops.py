@@ -190,24 +190,6 @@ def test_attention_in_half_precision(qmm, isa, dtype):
     assert_close(y, expected, attention_bound(v, dtype) * 8)
 
 
-def test_threads_give_the_same_norms_and_rotations(qmm):
-    # Enough rows that each op splits them over the threads (a prefill chunk).
-    x = normal((1, 9, 512, 64), 27)
-    outputs = []
-    for threads in (1, 2, 3):
-        qmm.set_threads(threads)
-        outputs.append(
-            (
-                qmm.rms_norm(x, None, 1e-5),
-                qmm.layer_norm(x, None, None, 1e-5),
-                qmm.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=3),
-            )
-        )
-    qmm.set_threads(2)
-    for split in outputs[1:]:
-        assert all(mx.array_equal(a, b) for a, b in zip(outputs[0], split))
-
-
 def test_threads_give_the_same_attention(qmm):
     q, k, v = (
         normal((1, 16, 4, 64), 21),

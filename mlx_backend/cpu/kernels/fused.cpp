@@ -227,16 +227,17 @@ void CpuNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     int rows = int(x.starts.size());
     float* y = out.data<float>();
     const RowKernels& k = row_kernels();
-    for_rows(rows, double(rows) * n * 4, [&](int r0, int r1) {
-      for (int r = r0; r < r1; r++) {
-        const float* row = x.data + x.starts[r];
-        if (rms) {
-          k.rms_norm(row, w, y + int64_t(r) * n, n, eps);
-        } else {
-          k.layer_norm(row, w, b, y + int64_t(r) * n, n, eps);
-        }
+    // On this thread: one pass over well under a megabyte even in a prefill
+    // chunk, where waking the workers would only contend with the BLAS's
+    // spinning threads.
+    for (int r = 0; r < rows; r++) {
+      const float* row = x.data + x.starts[r];
+      if (rms) {
+        k.rms_norm(row, w, y + int64_t(r) * n, n, eps);
+      } else {
+        k.layer_norm(row, w, b, y + int64_t(r) * n, n, eps);
       }
-    });
+    }
   });
 }
 
@@ -388,23 +389,19 @@ void CpuRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     bool own = offsets.size() > 1;
     float* y = out.data<float>();
     const RowKernels& k = row_kernels();
-    // This thread's tables: the workers' own thread_local ones are empty.
-    const float* cos = angles.cos.data();
-    const float* sin = angles.sin.data();
-    for_rows(count, double(count) * n * 3, [&](int r0, int r1) {
-      for (int r = r0; r < r1; r++) {
-        int t = r % length;
-        size_t at = ((own ? r / per_batch : 0) * size_t(length) + t) * half;
-        k.rope(
-            rows.data + rows.starts[r],
-            cos + at,
-            sin + at,
-            y + int64_t(r) * n,
-            dims,
-            n,
-            traditional);
-      }
-    });
+    // On this thread, as the norms.
+    for (int r = 0; r < count; r++) {
+      int t = r % length;
+      size_t at = ((own ? r / per_batch : 0) * size_t(length) + t) * half;
+      k.rope(
+          rows.data + rows.starts[r],
+          angles.cos.data() + at,
+          angles.sin.data() + at,
+          y + int64_t(r) * n,
+          dims,
+          n,
+          traditional);
+    }
   });
 }
 
