@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from bench.batching import grpc_stream, run_level
 from bench.cpu_kernels import library_tps
@@ -62,8 +63,6 @@ def graph_nodes(output: mx.array) -> collections.Counter:
 def step_anatomy(model, steps: int = 30) -> dict:
     """One decode step at a CONTEXT-token context: its nodes, and the host and
     evaluation milliseconds of a synchronous step (medians)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(1, CONTEXT + 1))]), cache=cache))
     token = mx.array([[5]])
@@ -180,19 +179,18 @@ def bench_cpu_step(
     report["decode_ratio"] = row(
         "decode tok/s, in-process", values(library, "decode_tps")
     )
-    server = servers
     row(
         "server decode tok/s, 1 stream",
-        {n: [r["decode_tps"] for r in server[n]["decode"]] for n in SIDES},
+        {s: [r["decode_tps"] for r in servers[s]["decode"]] for s in SIDES},
     )
     for n in STREAMS:
         report[f"streams_{n}_ratio"] = row(
             f"server tok/s, {n} streams",
-            {s: [r["throughput_tps"] for r in server[s][n]] for s in SIDES},
+            {s: [r["throughput_tps"] for r in servers[s][n]] for s in SIDES},
         )
     row(
         "server prefill tok/s, 1000-token prompt",
-        {n: [r["prefill_tps"] for r in server[n]["prefill"]] for n in SIDES},
+        {s: [r["prefill_tps"] for r in servers[s]["prefill"]] for s in SIDES},
     )
     lines = [
         "13. CPU decode step (bench/cpu_step.py): the fused primitives on / off",

@@ -19,7 +19,7 @@ from mlx_lm.utils import load_tokenizer as load_mlx_tokenizer
 from mlx_backend.caches.kinds import CacheKinds
 from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.cpu.kernels import use_kernels
-from mlx_backend.cpu.kernels.fast_ops import fast_ops_routed, route_fast_ops
+from mlx_backend.cpu.kernels.fast_ops import route_fast_ops
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.formats.base import ChatFormat
 from mlx_backend.formats.grammars import has_call_grammar
@@ -388,15 +388,10 @@ def prepare_model(
         routed = use_kernels(model)
         compute_path = compute_path.extended(f"{routed} layers on the SIMD kernels")
     if mx.default_device() == mx.cpu:
-        isa = route_fast_ops()
-        routed = fast_ops_routed()
+        isa, why = route_fast_ops()
+        on = f"the fused kernels ({isa})" if isa else f"MLX's operations ({why})"
         compute_path = compute_path.extended(
-            (
-                f"norms, RoPE and attention on the fused kernels ({isa})"
-                if routed
-                else f"norms, RoPE and attention on MLX's operations ({isa})"
-            ),
-            fast_ops_isa=isa if routed else "",
+            f"norms, RoPE and attention on {on}", fast_ops_isa=isa
         )
     loaded = dataclasses.replace(loaded, model=model)
     if options.prefill_step_size is None:

@@ -12,7 +12,7 @@ reaches them unchanged: mlx-lm's layers call ``mx.fast`` when they run.
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -34,14 +34,14 @@ _MLX = {name: getattr(mx.fast, name) for name in _NAMES}
 class _Routing:
     kernels: object = None
     # (op, reason) pairs already logged.
-    logged: set | None = None
+    logged: set = field(default_factory=set)
 
 
 _routing = _Routing()
 
 
 def _fall_back(op: str, reason: str) -> None:
-    if _routing.logged is not None and (op, reason) not in _routing.logged:
+    if (op, reason) not in _routing.logged:
         _routing.logged.add((op, reason))
         logger.info("%s: MLX's operations (%s)", op, reason)
 
@@ -118,27 +118,17 @@ _ROUTED = {
 }
 
 
-def route_fast_ops() -> str:
+def route_fast_ops() -> tuple[str, str]:
     """Run ``mx.fast``'s four operations on the CPU kernels in this process from
-    now on (idempotent); the instruction set, or why MLX's own run (then restored)."""
+    now on (idempotent): their instruction set and "", or "" and why MLX's own
+    run (then restored)."""
     kernels, why = load_kernels()
     if switched_off(os.environ, FAST_OPS_ENV):
         kernels, why = None, f"off ({FAST_OPS_ENV})"
-    if kernels is None:
-        for name, fn in _MLX.items():
-            setattr(mx.fast, name, fn)
-        _routing.kernels = None
-        return why
-    for name, fn in _ROUTED.items():
-        setattr(mx.fast, name, fn)
     _routing.kernels = kernels
-    if _routing.logged is None:
-        _routing.logged = set()
-    return kernels.fused_isa()
-
-
-def fast_ops_routed() -> bool:
-    return _routing.kernels is not None
+    for name, fn in (_MLX if kernels is None else _ROUTED).items():
+        setattr(mx.fast, name, fn)
+    return ("", why) if kernels is None else (kernels.fused_isa(), "")
 
 
 @contextmanager

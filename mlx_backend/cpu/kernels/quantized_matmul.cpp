@@ -393,20 +393,7 @@ mx::array quantized_matmul(
     int group_size,
     int bits,
     mx::StreamOrDevice s) {
-  int N = check_weight(x, w, scales, biases, group_size, bits);
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  auto common = mx::promote_types(scales.dtype(), biases.dtype());
-  auto shape = x.shape();
-  shape.back() = N;
-  auto y = mx::array(
-      shape,
-      mx::float32,
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
-      {as(x, mx::float32, stream),
-       w,
-       as(scales, common, stream),
-       as(biases, common, stream)});
-  return mx::issubdtype(x.dtype(), mx::floating) ? as(y, x.dtype(), stream) : y;
+  return quantized_matmuls(x, {w}, {scales}, {biases}, group_size, bits, s)[0];
 }
 
 std::vector<mx::array> quantized_matmuls(
@@ -437,7 +424,7 @@ std::vector<mx::array> quantized_matmuls(
   auto ys = mx::array::make_arrays(
       shapes,
       std::vector<mx::Dtype>(ws.size(), mx::float32),
-      std::make_shared<QuantizedMatmuls>(stream, group_size, bits),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
       inputs);
   if (mx::issubdtype(x.dtype(), mx::floating)) {
     for (auto& y : ys) {
@@ -510,19 +497,6 @@ Problem problem(
 
 void QuantizedMatmul::eval_cpu(
     const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  dispatch_task(stream(), inputs, out, [group_size = group_size_, bits = bits_](
-                                           std::vector<mx::array>& in, mx::array& out) {
-    std::vector<std::shared_ptr<std::vector<char>>> copies;
-    std::vector<Problem> ps = {
-        problem(in[0], in[1], in[2], in[3], out, group_size, bits, copies)};
-    std::lock_guard<std::mutex> lock(state().mutex);
-    compute(ps);
-  });
-}
-
-void QuantizedMatmuls::eval_cpu(
-    const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   dispatch_task(stream(), inputs, outputs, [group_size = group_size_, bits = bits_](
                                                std::vector<mx::array>& in,
@@ -545,29 +519,9 @@ void QuantizedMatmuls::eval_cpu(
   });
 }
 
-void QuantizedMatmuls::eval_gpu(
+void QuantizedMatmul::eval_gpu(
     const std::vector<mx::array>&,
     std::vector<mx::array>&) {
-  throw std::runtime_error("[quantized_matmuls] runs on the CPU only");
-}
-
-bool QuantizedMatmuls::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const QuantizedMatmuls&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
-}
-
-std::vector<mx::Shape> QuantizedMatmuls::output_shapes(
-    const std::vector<mx::array>& inputs) {
-  std::vector<mx::Shape> shapes;
-  for (size_t i = 1; i < inputs.size(); i += 3) {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[i].shape(0);
-    shapes.push_back(shape);
-  }
-  return shapes;
-}
-
-void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("[quantized_matmul] runs on the CPU only");
 }
 
@@ -578,9 +532,13 @@ bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(
     const std::vector<mx::array>& inputs) {
-  auto shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
-  return {shape};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 1; i < inputs.size(); i += 3) {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[i].shape(0);
+    shapes.push_back(shape);
+  }
+  return shapes;
 }
 
 Settings settings() {

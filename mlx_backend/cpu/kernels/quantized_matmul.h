@@ -33,10 +33,11 @@ std::vector<mx::array> quantized_matmuls(
     int bits,
     mx::StreamOrDevice s = {});
 
-class QuantizedMatmuls : public mx::Primitive {
+// One node for x @ dequantize(w_i, scales_i, biases_i).T, one output per weight.
+class QuantizedMatmul : public mx::Primitive {
  public:
   // Inputs: x, then each weight's w, scales and biases.
-  QuantizedMatmuls(mx::Stream stream, int group_size, int bits)
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
       : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(
@@ -45,26 +46,6 @@ class QuantizedMatmuls : public mx::Primitive {
   void eval_gpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
-
-  const char* name() const override {
-    return "CpuQuantizedMatmuls";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override;
-
- private:
-  int group_size_;
-  int bits_;
-};
-
-class QuantizedMatmul : public mx::UnaryPrimitive {
- public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
   const char* name() const override {
     return "CpuQuantizedMatmul";
