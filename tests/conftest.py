@@ -174,6 +174,7 @@ def qmm():
     module.set_isa("auto")
     module.set_fused_isa("auto")
     module.set_activations("float32")
+    module.use_sgemm(True)
     module.set_threads(2)
 
 

@@ -109,7 +109,11 @@ def prepare_for_cpu(
     ):
         no_kernels = "no layer in a format they take"
     if not dequantize and not no_kernels:
-        load_kernels()[0].set_activations(activations)
+        qmm = load_kernels()[0]
+        qmm.set_activations(activations)
+        # A prompt's many rows go to sgemm tiles only on a fast BLAS: MLX's bundled
+        # reference sgemm is far slower than the row kernel.
+        qmm.use_sgemm(fast)
         settings = kernel_settings()
         return model, ComputePath(
             f"CPU, {blas_text}, quantized weights on {settings.describe()}",

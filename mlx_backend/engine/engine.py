@@ -60,9 +60,17 @@ class Engine(Turns):
         self.served: ServedModel | None = None
         self._closed = False
         self._thread = threading.Thread(
-            target=self._loop.run, name="mlx-engine", daemon=True
+            target=self._run_thread, name="mlx-engine", daemon=True
         )
         self._thread.start()
+
+    def _run_thread(self) -> None:
+        try:
+            self._loop.run()
+        finally:
+            # MLX (0.32) frees a thread's compiled functions only when asked; left to
+            # the thread's exit they can meet a finalizing interpreter and abort it.
+            mx.clear_streams()
 
     # -- any thread ---------------------------------------------------------
 

@@ -178,8 +178,9 @@ def prepare(
         path = replace(path, kernel_threads=kernel_settings().threads)
     info = replace(info, compute_path=path)
     costs = None
-    if lockstep is None:
-        # A group's ranks would have to run the measurement's collectives together.
+    # A set budget needs no measurement; a group's ranks would have to run the
+    # measurement's collectives together.
+    if options.step_token_budget is None and lockstep is None:
         costs = measured_once(
             model,
             ("step costs", options.kv_bits, options.max_kv_size),

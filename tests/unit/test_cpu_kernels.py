@@ -4,13 +4,14 @@ arithmetic; their edge cases; and how the backend routes layers to them or, with
 extension missing, keeps its float32 path."""
 
 import sys
+from itertools import product
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from mlx_backend.cpu import kernels
+from mlx_backend.cpu import compute_path, kernels
 from mlx_backend.cpu.compute_path import prepare_for_cpu
 
 FLOAT32_EPS = 2.0**-24
@@ -76,19 +77,23 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
         x = mx.random.normal((rows, k), key=mx.random.key(seed + rows))
         expected, magnitude, total = reference(x, wq, scales, biases, group_size, bits)
         float_bound = 2 * k * FLOAT32_EPS * total + 1e-6
-        for isa in isas(qmm):
+        # The row kernels run up to the row limit; more rows go to sgemm tiles,
+        # or without a fast BLAS to the row kernels in blocks of the limit.
+        many = rows > qmm.settings()["rows_limit"]
+        for isa, sgemm in product(isas(qmm), (True, False) if many else (True,)):
             qmm.set_isa(isa)
+            qmm.use_sgemm(sgemm)
             for activations, top in (("float32", 0), ("int16", 32767), ("int8", 127)):
                 qmm.set_activations(activations)
                 y = qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
                 assert y.shape == (rows, n) and y.dtype == mx.float32
                 bound = float_bound
-                # The row kernels run up to the row limit; more rows go to sgemm.
                 rounded = qmm.settings()["activations"] != "float32"
-                if rounded and rows <= qmm.settings()["rows_limit"]:
+                if rounded and (not many or not qmm.settings()["sgemm"]):
                     bound = bound + rounding_bound(x, wq, scales, group_size, bits, top)
                 assert_within(y, expected, bound)
     qmm.set_isa("auto")
+    qmm.use_sgemm(True)
     qmm.set_activations("float32")
 
 
@@ -239,6 +244,13 @@ def test_prepare_for_cpu_picks_the_kernels_then_explains_the_fallbacks(
     assert path.breakdown()["cpu_kernels"] == 1
     assert path.breakdown()[f"cpu_kernel_isa_{path.kernel_isa.split()[0]}"] == 1
     assert "float32 activations" in path.description
+    # A prompt's rows go to sgemm tiles on a fast BLAS only.
+    assert qmm.settings()["sgemm"] == path.fast_blas
+    with monkeypatch.context() as patch:
+        patch.setattr(compute_path, "fast_blas_in_use", lambda environ: None)
+        _, path = prepare_for_cpu(tiny_quantized_model(), None, None)
+        assert "reference BLAS" in path.description and not qmm.settings()["sgemm"]
+    qmm.use_sgemm(True)
     _, path = prepare_for_cpu(tiny_quantized_model(), None, None, activations="int8")
     assert "int8 activations" in path.description
     assert qmm.settings()["activations"] == "int8"

@@ -47,6 +47,7 @@ NB_MODULE(_qmm, m) {
     return d;
   });
   m.def("set_threads", &qmm::set_threads, "threads"_a);
+  m.def("use_sgemm", &qmm::use_sgemm, "use"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("set_activations", &qmm::set_activations, "activations"_a);
 

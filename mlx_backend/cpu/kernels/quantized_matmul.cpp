@@ -250,6 +250,24 @@ void compute_tiles(const Problem& p, const Kernels& k) {
   }
 }
 
+// Rows m0..m0 + count of p (as far as p goes).
+Problem rows_block(const Problem& p, int m0, int count, size_t xq_bytes) {
+  if (m0 == 0 && p.M <= count) {
+    return p;
+  }
+  int groups = p.K / p.group_size;
+  Problem b = p;
+  b.M = std::min(count, p.M - m0);
+  b.x = p.x + size_t(m0) * p.K;
+  b.xsum = p.xsum + size_t(m0) * groups;
+  b.xd = p.xd + size_t(m0) * groups;
+  if (p.xq != nullptr) {
+    b.xq = static_cast<const char*>(p.xq) + size_t(m0) * p.K * xq_bytes;
+  }
+  b.y = p.y + size_t(m0) * p.N;
+  return b;
+}
+
 // y_i = x @ w_i.T for problems that share x (the same rows, inputs, bits and
 // group size): x is prepared once, and the threads run once for all of them.
 void compute(std::vector<Problem>& ps) {
@@ -303,11 +321,16 @@ void compute(std::vector<Problem>& ps) {
   // A small matmul runs on this thread alone: waking a worker costs more than
   // it saves, and the other core builds the next step's graph meanwhile.
   bool parallel = double(first.M) * outputs * first.K >= s.parallel_work;
+  size_t xq_bytes = x16.empty() ? sizeof(int8_t) : sizeof(int16_t);
   s.pool.run(
       int(spans.size()),
       [&](int t) {
         auto [i, n0, n1] = spans[t];
-        rows(ps[i], n0, n1);
+        // Many rows (no fast sgemm) in blocks of rows_limit, so that a block of x
+        // stays in cache while the task's weight rows meet it.
+        for (int m0 = 0; m0 < first.M; m0 += s.rows_limit) {
+          rows(rows_block(ps[i], m0, s.rows_limit, xq_bytes), n0, n1);
+        }
       },
       parallel);
 }
@@ -572,6 +595,12 @@ void set_threads(int threads) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.pool.resize(std::max(1, threads));
+}
+
+void use_sgemm(bool use) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.sgemm = use ? find_sgemm() : nullptr;
 }
 
 void set_isa(const std::string& isa) {

@@ -74,6 +74,9 @@ struct Settings {
 Settings settings();
 void set_threads(int threads);
 void set_activations(const std::string& activations);
+// Whether many rows of x go to the process's sgemm in tiles of dequantized weights
+// (worth it with a fast BLAS), or to the row kernel in blocks of rows_limit rows.
+void use_sgemm(bool use);
 // Pick the kernels: "auto" (the best this CPU runs), "avx2" or "portable".
 void set_isa(const std::string& isa);
 
