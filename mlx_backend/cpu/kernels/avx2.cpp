@@ -103,9 +103,11 @@ inline void store_rows(
   }
 }
 
-// ROWS rows of x (from row m) against weight row n: each group's dot product is
-// scaled once, and its bias meets x's group sum. Each row sums into CHAINS
-// accumulators, so that enough FMAs are in flight to hide their latency.
+// ROWS rows of x (from row m, in lane order) against weight row n. A vector of 8
+// words holds 8 weights a word (4-bit) or 4 (8-bit); shifting and masking it gives
+// one field of every word, met by x's matching lanes: no shuffles. Each block's
+// sums are scaled per lane (its words' groups), and the biases meet x's exact
+// group sums.
 template <int BITS, int ROWS>
 inline void rows_tile(
     const Problem& p,
@@ -113,42 +115,67 @@ inline void rows_tile(
     int m,
     const float* scales,
     const float* biases) {
-  constexpr int CHAINS = ROWS == 1 ? 4 : 2;
-  int groups = p.K / p.group_size;
-  int chunks = p.group_size / 32;
-  const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int BLOCK = 8 * PER_WORD;
+  const int G = p.group_size;
+  const uint32_t* w = p.w + std::size_t(n) * (p.K / PER_WORD);
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const float* x[ROWS];
   __m256 total[ROWS];
   for (int r = 0; r < ROWS; r++) {
-    x[r] = p.x + std::size_t(m + r) * p.K;
+    x[r] = p.xl + std::size_t(m + r) * p.K;
     total[r] = _mm256_setzero_ps();
   }
-  __m256 q[4];
-  for (int g = 0; g < groups; g++) {
-    __m256 acc[ROWS][CHAINS];
+  int k0 = 0;
+  for (; k0 + BLOCK <= p.K; k0 += BLOCK, w += 8) {
+    __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    // Two chains a row, so that enough FMAs are in flight to hide their latency.
+    __m256 acc[ROWS][2];
     for (int r = 0; r < ROWS; r++) {
-      for (int c = 0; c < CHAINS; c++) {
-        acc[r][c] = _mm256_setzero_ps();
-      }
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
-    for (int c = 0; c < chunks; c++, packed += BITS) {
-      unpack32<BITS>(packed, q);
-      int k = (g * chunks + c) * 32;
+#pragma GCC unroll 8
+    for (int i = 0; i < PER_WORD; i++) {
+      __m256i field = i == 0 ? words : _mm256_srli_epi32(words, i * BITS);
+      if (i != PER_WORD - 1) {
+        field = _mm256_and_si256(field, mask);
+      }
+      __m256 q = _mm256_cvtepi32_ps(field);
       for (int r = 0; r < ROWS; r++) {
-        const float* xk = x[r] + k;
-        for (int i = 0; i < 4; i++) {
-          acc[r][i % CHAINS] = _mm256_fmadd_ps(
-              q[i], _mm256_loadu_ps(xk + 8 * i), acc[r][i % CHAINS]);
-        }
+        acc[r][i & 1] =
+            _mm256_fmadd_ps(q, _mm256_loadu_ps(x[r] + k0 + 8 * i), acc[r][i & 1]);
       }
     }
-    __m256 scale = _mm256_broadcast_ss(scales + g);
+    // A 4-bit block's first 4 words are 32 weights, its last 4 the next 32.
+    __m256 scale = BITS == 4
+        ? _mm256_set_m128(
+              _mm_broadcast_ss(scales + (k0 + 32) / G),
+              _mm_broadcast_ss(scales + k0 / G))
+        : _mm256_broadcast_ss(scales + k0 / G);
     for (int r = 0; r < ROWS; r++) {
-      __m256 sum = acc[r][0];
-      for (int c = 1; c < CHAINS; c++) {
-        sum = _mm256_add_ps(sum, acc[r][c]);
+      total[r] =
+          _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), scale, total[r]);
+    }
+  }
+  if (k0 < p.K) {
+    // The last 4 words of a 4-bit row whose length is an odd number of 32s.
+    __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    __m128 scale = _mm_broadcast_ss(scales + k0 / G);
+    __m128 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+      acc[r] = _mm_setzero_ps();
+    }
+    for (int i = 0; i < PER_WORD; i++) {
+      __m128i field = _mm_and_si128(
+          _mm_srli_epi32(words, i * BITS), _mm256_castsi256_si128(mask));
+      __m128 q = _mm_cvtepi32_ps(field);
+      for (int r = 0; r < ROWS; r++) {
+        acc[r] = _mm_fmadd_ps(q, _mm_loadu_ps(x[r] + k0 + 4 * i), acc[r]);
       }
-      total[r] = _mm256_fmadd_ps(sum, scale, total[r]);
+    }
+    for (int r = 0; r < ROWS; r++) {
+      total[r] = _mm256_add_ps(
+          total[r], _mm256_zextps128_ps256(_mm_mul_ps(acc[r], scale)));
     }
   }
   store_rows<ROWS>(p, n, m, total, biases);

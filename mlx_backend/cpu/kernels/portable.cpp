@@ -55,6 +55,22 @@ void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd) {
   quantize_to(p, interleaved, xq, xd);
 }
 
+void lane_order(const Problem& p, float* xl) {
+  int per_word = 32 / p.bits;
+  for (int m = 0; m < p.M; m++) {
+    const float* x = p.x + std::size_t(m) * p.K;
+    float* out = xl + std::size_t(m) * p.K;
+    for (int k0 = 0; k0 < p.K; k0 += 8 * per_word) {
+      int words = std::min(8, (p.K - k0) / per_word);
+      for (int j = 0; j < words; j++) {
+        for (int i = 0; i < per_word; i++) {
+          out[k0 + i * words + j] = x[k0 + j * per_word + i];
+        }
+      }
+    }
+  }
+}
+
 void dequantize_portable(const Problem& p, int n0, int n1, float* out) {
   int groups = p.K / p.group_size;
   std::vector<float> scales(groups), biases(groups);

@@ -16,6 +16,9 @@ struct Problem {
   // the order the kernel reads them, and each group's scale [M, K / group_size].
   const void* xq;
   const float* xd;
+  // x [M, K] in the lane order of the weights' words (lane_order), for the float
+  // row kernels that read it so.
+  const float* xl;
   const uint32_t* w;
   const void* scales;
   const void* biases;
@@ -40,6 +43,11 @@ void dequantize_portable(const Problem& p, int n0, int n1, float* out);
 // values as [even ones, odd ones], the order of 4-bit weights' low and high nibbles.
 void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd);
 void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd);
+
+// x's rows in the order a vector of 8 weight words holds its weights: in each
+// block of 8 words, field i of word j at [i * 8 + j] (a last block of 4 words at
+// [i * 4 + j]), so that shifting and masking the words yields x's order.
+void lane_order(const Problem& p, float* xl);
 
 #if defined(__x86_64__)
 void rows_avx2_int8(const Problem& p, int n0, int n1);

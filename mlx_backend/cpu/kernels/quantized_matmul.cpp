@@ -175,13 +175,16 @@ struct Kernels {
   // for this instruction set).
   RowsKernel rows_int16 = nullptr;
   RowsKernel rows_int8 = nullptr;
+  // Whether `rows` reads x in lane order (Problem::xl).
+  bool rows_read_lanes = false;
 };
 
 Kernels best_kernels() {
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {"avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8};
+    return {
+        "avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8, true};
   }
 #endif
 #if defined(__aarch64__)
@@ -264,6 +267,9 @@ Problem rows_block(const Problem& p, int m0, int count, size_t xq_bytes) {
   if (p.xq != nullptr) {
     b.xq = static_cast<const char*>(p.xq) + size_t(m0) * p.K * xq_bytes;
   }
+  if (p.xl != nullptr) {
+    b.xl = p.xl + size_t(m0) * p.K;
+  }
   b.y = p.y + size_t(m0) * p.N;
   return b;
 }
@@ -300,11 +306,18 @@ void compute(std::vector<Problem>& ps) {
     first.xq = x8.data();
     rows = k.rows_int8;
   }
+  std::vector<float> xl;
+  if (rows == k.rows && k.rows_read_lanes) {
+    xl.resize(size_t(first.M) * first.K);
+    lane_order(first, xl.data());
+    first.xl = xl.data();
+  }
   int outputs = 0;
   for (auto& p : ps) {
     p.xsum = first.xsum;
     p.xd = first.xd;
     p.xq = first.xq;
+    p.xl = first.xl;
     outputs += p.N;
   }
   int per_task = std::max(
@@ -503,6 +516,7 @@ Problem problem(
   p.xsum = nullptr;
   p.xq = nullptr;
   p.xd = nullptr;
+  p.xl = nullptr;
   p.w = static_cast<const uint32_t*>(data(w));
   p.scales = data(scales);
   p.biases = data(biases);
