@@ -11,32 +11,35 @@ namespace qmm {
 
 namespace {
 
-// Row n's scales or biases as float32, 8 at a time where they are half floats.
-void load_scales(const Problem& p, const void* base, int n, float* out) {
-  int groups = p.K / p.group_size;
+// Rows n0..n0 + rows of the scales (or biases) as float32, 8 at a time where they
+// are half floats: the rows lie end to end, so one pass converts them all.
+void load_scales(const Problem& p, const void* base, int n0, int rows, float* out) {
+  std::size_t groups = p.K / p.group_size;
+  std::size_t count = rows * groups;
   if (p.scale_type == ScaleType::f32) {
-    return scale_row(p, base, n, out);
+    std::memcpy(
+        out, static_cast<const float*>(base) + n0 * groups, count * sizeof(float));
+    return;
   }
-  auto row = static_cast<const uint16_t*>(base) + std::size_t(n) * groups;
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g));
-    __m256 f = p.scale_type == ScaleType::f16
+  auto values = static_cast<const uint16_t*>(base) + n0 * groups;
+  auto convert = [&](__m128i h) {
+    return p.scale_type == ScaleType::f16
         ? _mm256_cvtph_ps(h)
         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    _mm256_storeu_ps(out + g, f);
+  };
+  std::size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
+    _mm256_storeu_ps(out + i, convert(h));
   }
-  if (g < groups) {
+  if (i < count) {
     // The tail through a zeroed vector, without the scalar conversion's branches.
     alignas(16) uint16_t tail[8] = {};
     alignas(32) float converted[8];
-    std::memcpy(tail, row + g, (groups - g) * sizeof(uint16_t));
-    __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
-    __m256 f = p.scale_type == ScaleType::f16
-        ? _mm256_cvtph_ps(h)
-        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    _mm256_store_ps(converted, f);
-    std::memcpy(out + g, converted, (groups - g) * sizeof(float));
+    std::memcpy(tail, values + i, (count - i) * sizeof(uint16_t));
+    _mm256_store_ps(
+        converted, convert(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
+    std::memcpy(out + i, converted, (count - i) * sizeof(float));
   }
 }
 
@@ -310,27 +313,29 @@ enum class Activations { float32, int16, int8 };
 
 template <int BITS, Activations X>
 void rows_bits(const Problem& p, int n0, int n1) {
-  int groups = p.K / p.group_size;
+  std::size_t groups = p.K / p.group_size;
   thread_local std::vector<float> scales, biases;
-  scales.resize(groups);
-  biases.resize(groups);
+  scales.resize((n1 - n0) * groups);
+  biases.resize((n1 - n0) * groups);
+  load_scales(p, p.scales, n0, n1 - n0, scales.data());
+  load_scales(p, p.biases, n0, n1 - n0, biases.data());
+  if constexpr (X == Activations::int8 && BITS == 8) {
+    for (std::size_t i = 0; i < biases.size(); i++) {
+      biases[i] += 128.0f * scales[i];
+    }
+  }
   auto tile = [&]<int ROWS>(int n, int m) {
+    const float* s = scales.data() + (n - n0) * groups;
+    const float* b = biases.data() + (n - n0) * groups;
     if constexpr (X == Activations::int8) {
-      rows_tile_int8<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+      rows_tile_int8<BITS, ROWS>(p, n, m, s, b);
     } else if constexpr (X == Activations::int16) {
-      rows_tile_int16<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+      rows_tile_int16<BITS, ROWS>(p, n, m, s, b);
     } else {
-      rows_tile<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+      rows_tile<BITS, ROWS>(p, n, m, s, b);
     }
   };
   for (int n = n0; n < n1; n++) {
-    load_scales(p, p.scales, n, scales.data());
-    load_scales(p, p.biases, n, biases.data());
-    if constexpr (X == Activations::int8 && BITS == 8) {
-      for (int g = 0; g < groups; g++) {
-        biases[g] += 128.0f * scales[g];
-      }
-    }
     int m = 0;
     for (; m + 4 <= p.M; m += 4) {
       tile.template operator()<4>(n, m);
@@ -358,8 +363,8 @@ void dequantize_bits(const Problem& p, int n0, int n1, float* out) {
   biases.resize(groups);
   __m256 q[4];
   for (int n = n0; n < n1; n++) {
-    load_scales(p, p.scales, n, scales.data());
-    load_scales(p, p.biases, n, biases.data());
+    load_scales(p, p.scales, n, 1, scales.data());
+    load_scales(p, p.biases, n, 1, biases.data());
     const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
     float* dst = out + std::size_t(n - n0) * p.K;
     for (int g = 0; g < groups; g++) {
