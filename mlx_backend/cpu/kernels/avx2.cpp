@@ -11,35 +11,33 @@ namespace qmm {
 
 namespace {
 
-// Rows n0..n0 + rows of the scales (or biases) as float32, 8 at a time where they
-// are half floats: the rows lie end to end, so one pass converts them all.
-void load_scales(const Problem& p, const void* base, int n0, int rows, float* out) {
-  std::size_t groups = p.K / p.group_size;
-  std::size_t count = rows * groups;
+// Row n's scales (or biases) as float32, into room for its groups rounded up to 8.
+// Half floats go 8 at a time, the last 8 read on into the next row's (a few bytes
+// of a row that is read anyway); the array's last row ends through a zeroed vector.
+void load_scales(const Problem& p, const void* base, int n, float* out) {
+  int groups = p.K / p.group_size;
+  std::size_t offset = std::size_t(n) * groups;
   if (p.scale_type == ScaleType::f32) {
-    std::memcpy(
-        out, static_cast<const float*>(base) + n0 * groups, count * sizeof(float));
+    std::memcpy(out, static_cast<const float*>(base) + offset, groups * sizeof(float));
     return;
   }
-  auto values = static_cast<const uint16_t*>(base) + n0 * groups;
+  auto values = static_cast<const uint16_t*>(base) + offset;
   auto convert = [&](__m128i h) {
     return p.scale_type == ScaleType::f16
         ? _mm256_cvtph_ps(h)
         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   };
-  std::size_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
-    _mm256_storeu_ps(out + i, convert(h));
+  bool last = n == p.N - 1;
+  int g = 0;
+  for (; g + 8 <= groups || (g < groups && !last); g += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + g));
+    _mm256_storeu_ps(out + g, convert(h));
   }
-  if (i < count) {
-    // The tail through a zeroed vector, without the scalar conversion's branches.
+  if (g < groups) {
     alignas(16) uint16_t tail[8] = {};
-    alignas(32) float converted[8];
-    std::memcpy(tail, values + i, (count - i) * sizeof(uint16_t));
-    _mm256_store_ps(
-        converted, convert(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
-    std::memcpy(out + i, converted, (count - i) * sizeof(float));
+    std::memcpy(tail, values + g, (groups - g) * sizeof(uint16_t));
+    _mm256_storeu_ps(
+        out + g, convert(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
   }
 }
 
@@ -313,29 +311,27 @@ enum class Activations { float32, int16, int8 };
 
 template <int BITS, Activations X>
 void rows_bits(const Problem& p, int n0, int n1) {
-  std::size_t groups = p.K / p.group_size;
+  int groups = p.K / p.group_size;
   thread_local std::vector<float> scales, biases;
-  scales.resize((n1 - n0) * groups);
-  biases.resize((n1 - n0) * groups);
-  load_scales(p, p.scales, n0, n1 - n0, scales.data());
-  load_scales(p, p.biases, n0, n1 - n0, biases.data());
-  if constexpr (X == Activations::int8 && BITS == 8) {
-    for (std::size_t i = 0; i < biases.size(); i++) {
-      biases[i] += 128.0f * scales[i];
-    }
-  }
+  scales.resize(groups + 8);
+  biases.resize(groups + 8);
   auto tile = [&]<int ROWS>(int n, int m) {
-    const float* s = scales.data() + (n - n0) * groups;
-    const float* b = biases.data() + (n - n0) * groups;
     if constexpr (X == Activations::int8) {
-      rows_tile_int8<BITS, ROWS>(p, n, m, s, b);
+      rows_tile_int8<BITS, ROWS>(p, n, m, scales.data(), biases.data());
     } else if constexpr (X == Activations::int16) {
-      rows_tile_int16<BITS, ROWS>(p, n, m, s, b);
+      rows_tile_int16<BITS, ROWS>(p, n, m, scales.data(), biases.data());
     } else {
-      rows_tile<BITS, ROWS>(p, n, m, s, b);
+      rows_tile<BITS, ROWS>(p, n, m, scales.data(), biases.data());
     }
   };
   for (int n = n0; n < n1; n++) {
+    load_scales(p, p.scales, n, scales.data());
+    load_scales(p, p.biases, n, biases.data());
+    if constexpr (X == Activations::int8 && BITS == 8) {
+      for (int g = 0; g < groups; g++) {
+        biases[g] += 128.0f * scales[g];
+      }
+    }
     int m = 0;
     for (; m + 4 <= p.M; m += 4) {
       tile.template operator()<4>(n, m);
@@ -359,12 +355,12 @@ void dequantize_bits(const Problem& p, int n0, int n1, float* out) {
   int groups = p.K / p.group_size;
   int chunks = p.group_size / 32;
   thread_local std::vector<float> scales, biases;
-  scales.resize(groups);
-  biases.resize(groups);
+  scales.resize(groups + 8);
+  biases.resize(groups + 8);
   __m256 q[4];
   for (int n = n0; n < n1; n++) {
-    load_scales(p, p.scales, n, 1, scales.data());
-    load_scales(p, p.biases, n, 1, biases.data());
+    load_scales(p, p.scales, n, scales.data());
+    load_scales(p, p.biases, n, biases.data());
     const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
     float* dst = out + std::size_t(n - n0) * p.K;
     for (int g = 0; g < groups; g++) {
