@@ -288,12 +288,14 @@ void compute(std::vector<Problem>& ps) {
     }
     return;
   }
-  std::vector<float> xsum;
+  // The call's buffers, kept by the calling thread (the CPU stream's) between calls.
+  thread_local std::vector<float> xsum, xd, xl;
+  thread_local std::vector<int8_t> x8;
+  thread_local std::vector<int16_t> x16;
+  thread_local std::vector<std::array<int, 3>> spans;
   group_sums(first, xsum);
   RowsKernel rows = k.rows;
-  std::vector<int8_t> x8;
-  std::vector<int16_t> x16;
-  std::vector<float> xd(size_t(first.M) * (first.K / first.group_size));
+  xd.resize(size_t(first.M) * (first.K / first.group_size));
   first.xd = xd.data();
   if (s.activations == "int16" && k.rows_int16 != nullptr) {
     x16.resize(size_t(first.M) * first.K);
@@ -306,7 +308,6 @@ void compute(std::vector<Problem>& ps) {
     first.xq = x8.data();
     rows = k.rows_int8;
   }
-  std::vector<float> xl;
   if (rows == k.rows && k.rows_read_lanes) {
     xl.resize(size_t(first.M) * first.K);
     lane_order(first, xl.data());
@@ -325,7 +326,7 @@ void compute(std::vector<Problem>& ps) {
           (s.pool.size() * TASKS_PER_THREAD));
   per_task = (per_task + 7) / 8 * 8;
   // (problem, first output row, end) of each task.
-  std::vector<std::array<int, 3>> spans;
+  spans.clear();
   for (int i = 0; i < int(ps.size()); i++) {
     for (int n0 = 0; n0 < ps[i].N; n0 += per_task) {
       spans.push_back({i, n0, std::min(ps[i].N, n0 + per_task)});
@@ -334,11 +335,14 @@ void compute(std::vector<Problem>& ps) {
   // A small matmul runs on this thread alone: waking a worker costs more than
   // it saves, and the other core builds the next step's graph meanwhile.
   bool parallel = double(first.M) * outputs * first.K >= s.parallel_work;
-  size_t xq_bytes = x16.empty() ? sizeof(int8_t) : sizeof(int16_t);
+  size_t xq_bytes = rows == k.rows_int16 ? sizeof(int16_t) : sizeof(int8_t);
+  // The workers reach the caller's spans through this (a thread_local named in
+  // the lambda would be each worker's own).
+  const std::array<int, 3>* task_spans = spans.data();
   s.pool.run(
       int(spans.size()),
       [&](int t) {
-        auto [i, n0, n1] = spans[t];
+        auto [i, n0, n1] = task_spans[t];
         // Many rows (no fast sgemm) in blocks of rows_limit, so that a block of x
         // stays in cache while the task's weight rows meet it.
         for (int m0 = 0; m0 < first.M; m0 += s.rows_limit) {
