@@ -179,6 +179,11 @@ struct Kernels {
   bool rows_read_lanes = false;
 };
 
+// The portable C++ kernels: any CPU, and any shape the kernels take.
+Kernels portable_kernels() {
+  return {"portable", rows_portable, dequantize_portable};
+}
+
 Kernels best_kernels() {
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -190,7 +195,7 @@ Kernels best_kernels() {
 #if defined(__aarch64__)
   return {"portable (neon)", rows_portable, dequantize_portable};
 #else
-  return {"portable", rows_portable, dequantize_portable};
+  return portable_kernels();
 #endif
 }
 
@@ -279,9 +284,7 @@ Problem rows_block(const Problem& p, int m0, int count, size_t xq_bytes) {
 void compute(std::vector<Problem>& ps) {
   State& s = state();
   Problem& first = ps[0];
-  Kernels k = simd_shape(first)
-      ? s.kernels
-      : Kernels{"portable", rows_portable, dequantize_portable};
+  Kernels k = simd_shape(first) ? s.kernels : portable_kernels();
   if (first.M > s.rows_limit && s.sgemm != nullptr) {
     for (auto& p : ps) {
       compute_tiles(p, k);
@@ -628,7 +631,7 @@ void set_isa(const std::string& isa) {
   if (isa == "auto" || isa == best.isa) {
     s.kernels = best;
   } else if (isa == "portable") {
-    s.kernels = {"portable", rows_portable, dequantize_portable};
+    s.kernels = portable_kernels();
   } else {
     throw std::invalid_argument(
         "[quantized_matmul] isa must be auto, portable or " + best.isa);
