@@ -48,7 +48,9 @@
 13. CPU decode step (bench/cpu_step.py; Linux CPU): the fused primitives (norms,
    RoPE and attention as one node each, sibling projections as one kernel call)
    on and off: graph nodes, host and evaluation ms of a step, decode tok/s
-   in-process, and on two servers 1, 8 and 16 streams and prefill.
+   in-process, and on two servers 1, 8 and 16 streams and prefill (1000 and 4096
+   tokens); llama.cpp on the same GGUF and threads as a column (built once from
+   its sdist, bench/llama_cpp.py).
 
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the

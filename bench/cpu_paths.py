@@ -23,15 +23,16 @@ def server_prefill(stub, prompt: str) -> dict:
     }
 
 
-def long_prompt(stub, round: int) -> str:
-    """Text of exactly PREFILL_TOKENS tokens, opening differently in each round.
+def long_prompt(stub, round: int, tokens: int = PREFILL_TOKENS) -> str:
+    """Text of exactly ``tokens`` tokens, opening differently in each round.
 
     A new opening keeps the prompt cache from serving a round what an earlier one
     prefilled.
     """
-    text = f"Round {round}. " + LONG_TEXT * 60
+    # LONG_TEXT is about 27 tokens.
+    text = f"Round {round}. " + LONG_TEXT * (tokens // 16)
     ids = stub.TokenizeString(pb.PredictOptions(Prompt=text)).tokens
-    return stub.Detokenize(pb.DetokenizeRequest(tokens=ids[:PREFILL_TOKENS])).content
+    return stub.Detokenize(pb.DetokenizeRequest(tokens=ids[:tokens])).content
 
 
 def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[str]]:

@@ -3,8 +3,9 @@ primitives (norms, RoPE and attention as one node each, sibling projections as o
 kernel call) on and off, side by side: graph nodes per step, host and evaluation
 milliseconds of one synchronous step, in-process decode tok/s; then two servers,
 one with ``MLX_BACKEND_CPU_FAST_OPS=off``, in alternating rounds: 1-stream decode,
-8 and 16 streams, and prefill of a 1000-token prompt. The header names the CPU's
-instruction sets. llama.cpp's row is not built here yet (see docs/cpu-kernels.md).
+8 and 16 streams, and prefill of a 1000- and a 4096-token prompt, with llama.cpp
+on the same GGUF and threads after them in each round (``bench/llama_cpp.py``).
+The header names the CPU's instruction sets.
 """
 
 import collections
@@ -20,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench import llama_cpp
 from bench.batching import grpc_stream, run_level
 from bench.cpu_kernels import library_tps
 from bench.cpu_paths import long_prompt, server_prefill
@@ -40,6 +42,12 @@ logger = logging.getLogger(__name__)
 STREAMS = (8, 16)
 SIDES = ("on", "off")
 CONTEXT = 64
+# Prefilled prompts' lengths: the 1000 that part 12 uses, and a ~4k prompt (the
+# length of llama.cpp's pp4096).
+PROMPTS = {"prefill": 1000, "prefill_long": 4096}
+KEYS = ("decode", *PROMPTS, *STREAMS)
+# About the tokens of the batch levels' chat prompts, for llama-batched-bench.
+BATCH_PROMPT = 32
 
 
 def cpu_flags() -> str:
@@ -112,12 +120,14 @@ def bench_in_process(rounds: int, tokens: int) -> dict:
     return runs
 
 
-def bench_servers(running_process, rounds: int, tokens: int, batch_tokens: int) -> dict:
+def bench_servers(
+    running_process, rounds: int, tokens: int, batch_tokens: int, llama
+) -> dict:
+    """The two servers' figures, and llama.cpp's (``llama``: its tools, or None)
+    after them in each round."""
     eos = 2
-    runs = {
-        name: {"decode": [], "prefill": [], **{n: [] for n in STREAMS}}
-        for name in SIDES
-    }
+    names = SIDES + (("llama.cpp",) if llama else ())
+    runs = {name: {key: [] for key in KEYS} for name in names}
     environments = {"on": None, "off": {**os.environ, FAST_OPS_ENV: "off"}}
     with running_process(environments["on"]) as on, running_process(
         environments["off"]
@@ -130,21 +140,34 @@ def bench_servers(running_process, rounds: int, tokens: int, batch_tokens: int) 
                 logger.info("cpu step: server, fused %s, round %d", name, i + 1)
                 stub = servers[name]
                 r = runs[name]
-                r["prefill"].append(
-                    server_prefill(stub, long_prompt(stub, 2 * i + (name == "off")))
-                )
-                r["decode"].append(server_decode(stub, tokens, eos))
+                for key, length in PROMPTS.items():
+                    prompt = long_prompt(stub, 2 * i + (name == "off"), length)
+                    r[key].append(server_prefill(stub, prompt)["prefill_tps"])
+                r["decode"].append(server_decode(stub, tokens, eos)["decode_tps"])
                 for n in STREAMS:
-                    r[n].append(
-                        run_level(
-                            lambda p: grpc_stream(stub, p, batch_tokens, eos), n, i
-                        )
+                    level = run_level(
+                        lambda p: grpc_stream(stub, p, batch_tokens, eos), n, i
                     )
+                    r[n].append(level["throughput_tps"])
+            if llama:
+                logger.info("cpu step: llama.cpp, round %d", i + 1)
+                r = runs["llama.cpp"]
+                for key, length in PROMPTS.items():
+                    r[key].append(llama.bench(length, 0))
+                r["decode"].append(llama.bench(0, tokens))
+                for n in STREAMS:
+                    r[n].append(llama.batched(n, BATCH_PROMPT, batch_tokens))
     return runs
 
 
 def worst(values, higher_is_better: bool = True) -> float:
     return min(values) if higher_is_better else max(values)
+
+
+def ratio(values, reference, higher: bool = True) -> str:
+    """Worst run over the reference's worst run."""
+    base = worst(reference, higher)
+    return f"{worst(values, higher) / base:.2f}x" if base else "n/a"
 
 
 def bench_cpu_step(
@@ -153,56 +176,74 @@ def bench_cpu_step(
     qmm, why = load_kernels()
     if qmm is None:
         return {"skipped": why}, [f"13. CPU decode step: skipped ({why})"]
+    llama = llama_cpp.build(str(default_model_path()), qmm.settings()["threads"])
+    if isinstance(llama, str):
+        llama_skipped, llama = llama, None
+        logger.warning("cpu step: no llama.cpp column: %s", llama_skipped)
     library = bench_in_process(rounds, tokens)
-    servers = bench_servers(running_process, rounds, tokens, batch_tokens)
+    servers = bench_servers(running_process, rounds, tokens, batch_tokens, llama)
     rows = []
 
-    def row(label, values: dict, fmt="{:.1f}", higher=True):
+    def text(xs, fmt):
+        return " / ".join(fmt.format(x) for x in xs)
+
+    def row(label, values: dict, fmt="{:.1f}", higher=True, reference=None):
         on, off = values["on"], values["off"]
-        text = lambda xs: " / ".join(fmt.format(x) for x in xs)
-        ratio = (
-            (worst(on, higher) / worst(off, higher))
-            if worst(off, higher)
-            else float("nan")
-        )
-        rows.append(f"| {label} | {text(on)} | {text(off)} | {ratio:.2f}x |")
-        return ratio
+        cells = [text(on, fmt), text(off, fmt), ratio(on, off, higher)]
+        if reference:
+            cells += [text(reference, fmt), ratio(on, reference, higher)]
+        elif llama:
+            cells += ["", ""]
+        rows.append("| " + " | ".join([label, *cells]) + " |")
+        return worst(on, higher) / worst(off, higher) if worst(off, higher) else 0.0
 
     def values(source, key):
         return {name: [r[key] for r in source[name]] for name in SIDES}
 
+    reference = servers.get("llama.cpp", {})
     report = {"library": library, "servers": servers}
     row("graph nodes per step", values(library, "nodes"), "{:.0f}", higher=False)
     row("graph nodes per layer", values(library, "nodes_per_layer"), higher=False)
     row("host ms per step (synchronous)", values(library, "host_ms"), higher=False)
     row("evaluation ms per step", values(library, "eval_ms"), higher=False)
     report["decode_ratio"] = row(
-        "decode tok/s, in-process", values(library, "decode_tps")
+        "decode tok/s, in-process",
+        values(library, "decode_tps"),
+        reference=reference.get("decode"),
     )
-    row(
-        "server decode tok/s, 1 stream",
-        {s: [r["decode_tps"] for r in servers[s]["decode"]] for s in SIDES},
-    )
-    for n in STREAMS:
-        report[f"streams_{n}_ratio"] = row(
-            f"server tok/s, {n} streams",
-            {s: [r["throughput_tps"] for r in servers[s][n]] for s in SIDES},
+    labels = {
+        "decode": "server decode tok/s, 1 stream",
+        **{n: f"server tok/s, {n} streams" for n in STREAMS},
+        **{k: f"server prefill tok/s, {n}-token prompt" for k, n in PROMPTS.items()},
+    }
+    for key, label in labels.items():
+        report[f"{key}_ratio"] = row(
+            label,
+            {name: servers[name][key] for name in SIDES},
+            reference=reference.get(key),
         )
-    row(
-        "server prefill tok/s, 1000-token prompt",
-        {s: [r["prefill_tps"] for r in servers[s]["prefill"]] for s in SIDES},
-    )
+    header = "| | on | off | on / off |"
+    if llama:
+        header += " llama.cpp | on / llama.cpp |"
     lines = [
-        "13. CPU decode step (bench/cpu_step.py): the fused primitives on / off",
+        "13. CPU decode step (bench/cpu_step.py): the fused primitives on / off,"
+        " and llama.cpp",
         f"    CPU instruction sets: {cpu_flags()}; kernels {qmm.settings()['isa']},"
         f" fused rows {qmm.fused_isa()}, {qmm.settings()['threads']} threads",
-        f"    every run listed (rounds alternate); the ratio is worst on / worst off;"
+        f"    every run listed (rounds alternate); ratios are of the worst runs;"
         f" context {CONTEXT} for the step's anatomy",
+        (
+            f"    llama.cpp ({llama_cpp.SDIST}, GGML_NATIVE) on the same GGUF and"
+            f" threads: llama-bench tg{tokens} and pp1000 / pp4096,"
+            f" llama-batched-bench at {BATCH_PROMPT}-token prompts"
+            f" and {batch_tokens} tokens, prefill included"
+            if llama
+            else f"    llama.cpp: skipped ({llama_skipped})"
+        ),
         "",
-        "| | on | off | on / off |",
-        "|---|---|---|---|",
+        header,
+        "|---" * (header.count("|") - 1) + "|",
         *rows,
-        "| llama.cpp, same GGUF and threads | not built here yet | | |",
         "",
         "    largest node kinds, on: "
         + ", ".join(f"{k} {v}" for k, v in library["on"][0]["top_nodes"]),

@@ -136,6 +136,11 @@ ATTENTION_CASES = [
     (1, 4, 4, 3, 60, 64),
     (1, 8, 1, 16, 129, 256),
     (2, 8, 8, 5, 2048, 64),
+    # Prefill chunks: blocks of keys, rows in pairs and alone, value widths not a
+    # multiple of 32 or 8.
+    (1, 9, 3, 77, 300, 64),
+    (2, 6, 2, 40, 40, 80),
+    (1, 2, 1, 33, 97, 36),
 ]
 
 
@@ -165,6 +170,22 @@ def test_attention_matches_mlx(qmm, isa, batch, heads, kv_heads, rows, keys, dim
                 q, k, v, scale=scale, mask=mask, sinks=with_sinks
             )
             assert_close(y, expected, attention_bound(v))
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_attention_with_values_narrower_than_keys(qmm, isa, rows):
+    """MLA's shape (key dims 192, value dims 128), and an odd value width."""
+    for dims, value_dims in ((192, 128), (64, 44)):
+        q, k = normal((2, 4, rows, dims), 27), normal((2, 4, 70, dims), 28)
+        v = normal((2, 4, 70, value_dims), 29)
+        y = qmm.scaled_dot_product_attention(
+            q, k, v, scale=dims**-0.5, mask_mode="causal"
+        )
+        expected = MLX["scaled_dot_product_attention"](
+            q, k, v, scale=dims**-0.5, mask="causal"
+        )
+        assert y.shape == (2, 4, rows, value_dims)
+        assert_close(y, expected, attention_bound(v))
 
 
 def test_attention_rows_that_mask_every_key_average_them_as_mlx_does(qmm, isa):
@@ -276,12 +297,13 @@ def test_routing_puts_each_fast_op_on_one_primitive(qmm):
             x, k, k, scale=0.125, mask="causal"
         )
     assert_close(y, expected, attention_bound(k))
-    # Longer prefill chunks keep MLX's matmul and softmax, with the same answer.
-    long = normal((1, 9, fast_ops.ATTENTION_ROWS + 1, 64), 26)
+    # Prefill chunks too.
+    long = normal((1, 9, 33, 64), 26)
     y = mx.fast.scaled_dot_product_attention(long, k, k, scale=0.125, mask="causal")
-    assert mx.array_equal(
-        y, MLX["scaled_dot_product_attention"](long, k, k, scale=0.125, mask="causal")
+    expected = MLX["scaled_dot_product_attention"](
+        long, k, k, scale=0.125, mask="causal"
     )
+    assert_close(y, expected, attention_bound(k))
 
 
 def test_routing_is_off_by_switch(qmm, monkeypatch):

@@ -159,6 +159,29 @@ def test_bad_shapes_are_refused(qmm, args, message):
         qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_quantized_rows_match_the_dequantized_lookup(qmm, bits, dtype):
+    """An embedding's lookup as one node: each instruction set's rows equal
+    mx.dequantize's (up to the fused multiply-add), for any index shape, int32 or
+    uint32 or a strided view; rows outside the table are zeros."""
+    wq, scales, biases = quantized(40, 192, bits, 64, dtype, bits)
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    table = mx.dequantize(wq, s32, b32, group_size=64, bits=bits)
+    picks = mx.array([[3, 39, 0], [7, 7, 12]])
+    for isa in isas(qmm):
+        qmm.set_isa(isa)
+        for indices in (picks, picks.astype(mx.uint32), picks.T, picks[:, ::2]):
+            rows = qmm.quantized_rows(indices, wq, scales, biases, 64, bits)
+            assert rows.shape == (*indices.shape, 192) and rows.dtype == mx.float32
+            assert mx.allclose(rows, table[indices], rtol=1e-6, atol=1e-6)
+        outside = qmm.quantized_rows(mx.array([40, -1, 2]), wq, scales, biases, 64, bits)
+        assert not outside[:2].any().item() and outside[2].any().item()
+    qmm.set_isa("auto")
+    with pytest.raises(ValueError, match="indices must be int32 or uint32"):
+        qmm.quantized_rows(mx.array([1.0]), wq, scales, biases, 64, bits)
+
+
 def tiny_quantized_model(bits: int = 4, group_size: int = 32) -> nn.Module:
     model = nn.Sequential(nn.Embedding(50, 64), nn.Linear(64, 96), nn.Linear(96, 64))
     nn.quantize(model, group_size=group_size, bits=bits)

@@ -195,16 +195,19 @@ def set_shared_inputs(model: nn.Module, on: bool) -> None:
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` with float32 rows, and the kernels when it is the
-    output layer too (tied weights)."""
+    """``nn.QuantizedEmbedding`` whose lookup is one kernel node with float32 rows,
+    and the kernels when it is the output layer too (tied weights)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.dequantize(
-            self["weight"][x],
-            scales=self["scales"][x].astype(mx.float32),
-            biases=self["biases"][x].astype(mx.float32),
-            group_size=self.group_size,
-            bits=self.bits,
+        if x.dtype not in (mx.int32, mx.uint32):
+            x = x.astype(mx.int32)
+        return _qmm.quantized_rows(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.group_size,
+            self.bits,
         )
 
     def as_linear(self, x: mx.array) -> mx.array:

@@ -36,6 +36,18 @@ NB_MODULE(_qmm, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "[x @ dequantize(w_i).T for each i], one node for projections that share x.");
+  m.def(
+      "quantized_rows",
+      &qmm::quantized_rows,
+      "indices"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "dequantize(w, scales, biases)[indices] as float32 (an embedding's lookup).");
   m.def("settings", [] {
     auto s = qmm::settings();
     nb::dict d;

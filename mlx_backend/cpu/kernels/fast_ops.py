@@ -9,21 +9,14 @@ calls MLX's own where the primitive does not take the inputs. Every family's cod
 reaches them unchanged: mlx-lm's layers call ``mx.fast`` when they run.
 """
 
-import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlx_backend.cpu.kernels import FAST_OPS_ENV, load_kernels
 from mlx_backend.switches import switched_off
-
-logger = logging.getLogger(__name__)
-
-# Query rows up to which attention runs on the row kernel (decode, speculation's
-# drafts, short chunks); longer prefill chunks keep MLX's matmul and softmax.
-ATTENTION_ROWS = 16
 
 _NAMES = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
 # MLX's own functions, captured before any routing.
@@ -33,17 +26,9 @@ _MLX = {name: getattr(mx.fast, name) for name in _NAMES}
 @dataclass
 class _Routing:
     kernels: object = None
-    # (op, reason) pairs already logged.
-    logged: set = field(default_factory=set)
 
 
 _routing = _Routing()
-
-
-def _fall_back(op: str, reason: str) -> None:
-    if (op, reason) not in _routing.logged:
-        _routing.logged.add((op, reason))
-        logger.info("%s: MLX's operations (%s)", op, reason)
 
 
 def rms_norm(x, weight, eps, *, stream=None):
@@ -89,15 +74,13 @@ def scaled_dot_product_attention(
 ):
     kernels = _routing.kernels
     if kernels is not None and stream is None:
-        if q.ndim == 4 and q.shape[2] <= ATTENTION_ROWS:
-            if isinstance(mask, str):
-                mode, mask = mask, None
-            else:
-                mode = "" if mask is None else "array"
-            return kernels.scaled_dot_product_attention(
-                q, k, v, scale=scale, mask_mode=mode, mask=mask, sinks=sinks
-            )
-        _fall_back("attention", f"more than {ATTENTION_ROWS} query rows")
+        if isinstance(mask, str):
+            mode, mask = mask, None
+        else:
+            mode = "" if mask is None else "array"
+        return kernels.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask_mode=mode, mask=mask, sinks=sinks
+        )
     return _MLX["scaled_dot_product_attention"](
         q,
         k,

@@ -46,21 +46,8 @@ const RowKernels& row_kernels() {
   return *table;
 }
 
-// Tasks per thread for work split by rows: enough to balance, few enough that
-// claiming them costs little.
-constexpr int ROW_TASKS = 16;
-
-// fn(r0, r1) over [0, rows) in a few tasks, on several threads when `work` (in
-// multiply-adds) pays for it.
-template <typename Fn>
-void for_rows(int rows, double work, Fn fn) {
-  int tasks = std::min(rows, ROW_TASKS);
-  int per = (rows + tasks - 1) / std::max(tasks, 1);
-  tasks = (rows + per - 1) / std::max(per, 1);
-  run_tasks(tasks, work, [&](int i) {
-    fn(i * per, std::min(rows, (i + 1) * per));
-  });
-}
+// Query positions an attention task takes (for each head that reads its keys).
+constexpr int POSITIONS_PER_TASK = 16;
 
 // An input's float data as rows along its last axis: where each row starts (in
 // elements), with a row-major copy for an input whose last axis is strided.
@@ -516,42 +503,57 @@ void CpuAttention::eval_cpu(
     }
     const float* sinks = has_sinks ? in.back().data<float>() : nullptr;
     float* y = out.data<float>();
-    const RowKernels& kernels = row_kernels();
-    int rows = B * heads * L;
-    double work = double(rows) * S * (D + Dv);
-    for_rows(rows, work, [&](int r0, int r1) {
-      thread_local std::vector<float> scores;
-      scores.resize(std::max(S, 1));
-      for (int r = r0; r < r1; r++) {
-        int l = r % L, h = (r / L) % heads, b = r / (L * heads);
-        int kv = h / repeats;
-        fused::AttentionRow row;
-        row.q = q.data + b * q.strides[0] + h * q.strides[1] + l * q.strides[2];
-        row.k = k.data + b * k.strides[0] + kv * k.strides[1];
-        row.v = v.data + b * v.strides[0] + kv * v.strides[1];
-        row.k_stride = k.strides[2];
-        row.v_stride = v.strides[2];
-        row.dims = D;
-        row.value_dims = Dv;
-        row.keys = causal ? std::clamp(S - L + l + 1, 0, S) : S;
-        row.keep = nullptr;
-        row.bias = nullptr;
-        row.mask_stride = mask_strides[3];
-        if (mask != nullptr) {
-          int64_t at = b * mask_strides[0] + h * mask_strides[1] +
-              l * mask_strides[2];
-          if (keep_mask) {
-            row.keep = static_cast<const bool*>(mask) + at;
-          } else {
-            row.bias = static_cast<const float*>(mask) + at;
-          }
+    auto make_row = [&](int b, int h, int l) {
+      int kv = h / repeats;
+      fused::AttentionRow row;
+      row.q = q.data + b * q.strides[0] + h * q.strides[1] + l * q.strides[2];
+      row.k = k.data + b * k.strides[0] + kv * k.strides[1];
+      row.v = v.data + b * v.strides[0] + kv * v.strides[1];
+      row.k_stride = k.strides[2];
+      row.v_stride = v.strides[2];
+      row.dims = D;
+      row.value_dims = Dv;
+      row.keys = causal ? std::clamp(S - L + l + 1, 0, S) : S;
+      row.keep = nullptr;
+      row.bias = nullptr;
+      row.mask_stride = mask_strides[3];
+      if (mask != nullptr) {
+        int64_t at =
+            b * mask_strides[0] + h * mask_strides[1] + l * mask_strides[2];
+        if (keep_mask) {
+          row.keep = static_cast<const bool*>(mask) + at;
+        } else {
+          row.bias = static_cast<const float*>(mask) + at;
         }
-        row.scale = scale;
-        row.has_sink = sinks != nullptr;
-        row.sink = sinks != nullptr ? sinks[h] : 0.0f;
-        row.out = y + int64_t(r) * Dv;
-        kernels.attention(row, scores.data());
       }
+      row.scale = scale;
+      row.has_sink = sinks != nullptr;
+      row.sink = sinks != nullptr ? sinks[h] : 0.0f;
+      row.out = y + ((int64_t(b) * heads + h) * L + l) * Dv;
+      return row;
+    };
+    const RowKernels& kernels = row_kernels();
+    double work = double(B) * heads * L * S * (D + Dv);
+    // A task: a few positions of one batch row's kv head, for each query head
+    // that reads it; the latest positions (the most keys, when causal) first.
+    int blocks = (L + POSITIONS_PER_TASK - 1) / POSITIONS_PER_TASK;
+    int groups = B * kv_heads;
+    run_tasks(blocks * groups, work, [&](int t) {
+      int block = blocks - 1 - t / groups, b = (t % groups) / kv_heads;
+      int kv = t % kv_heads;
+      thread_local std::vector<fused::AttentionRow> rows;
+      thread_local std::vector<float> scratch;
+      rows.clear();
+      for (int l = block * POSITIONS_PER_TASK;
+           l < std::min(L, (block + 1) * POSITIONS_PER_TASK);
+           l++) {
+        for (int h = kv * repeats; h < (kv + 1) * repeats; h++) {
+          rows.push_back(make_row(b, h, l));
+        }
+      }
+      int count = int(rows.size());
+      scratch.resize(fused::attention_rows_scratch(count, D));
+      kernels.attention_rows(rows.data(), count, scratch.data());
     });
   });
 }

@@ -27,6 +27,14 @@ struct AttentionRow {
   float* out; // [value_dims]
 };
 
+// Keys per block of the blocked attention kernel.
+constexpr int KEYS_BLOCK = 32;
+
+// Floats of scratch that attention_rows needs for `count` rows of `dims`.
+inline int64_t attention_rows_scratch(int count, int dims) {
+  return int64_t(KEYS_BLOCK) * dims + 2 * int64_t(count);
+}
+
 struct RowKernels {
   const char* isa;
   // y = x / rms(x) * w (w may be null).
@@ -49,8 +57,10 @@ struct RowKernels {
       int dims,
       int n,
       bool traditional);
-  // One row of softmax(q k^T * scale + mask) v; scores: room for `keys` floats.
-  void (*attention)(const AttentionRow& row, float* scores);
+  // Rows of softmax(q k^T * scale + mask) v that share their keys and values (k,
+  // v, their strides and dims as in rows[0]): a block of KEYS_BLOCK keys at a
+  // time, read once for all the rows, with each row's softmax kept online.
+  void (*attention_rows)(const AttentionRow* rows, int count, float* scratch);
 };
 
 RowKernels portable_rows();

@@ -102,13 +102,6 @@ inline float exp_shifted(float* s, int n, float top) {
   return lanes_total(acc) + tail;
 }
 
-// y += a * x
-inline void axpy(float a, const float* x, float* y, int n) {
-  for (int i = 0; i < n; i++) {
-    y[i] += a * x[i];
-  }
-}
-
 void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
   float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / float(n) + eps);
   if (w == nullptr) {
@@ -178,41 +171,181 @@ void rope(
   }
 }
 
-void attention(const AttentionRow& r, float* scores) {
-  // What MLX writes for a masked-out score: a row that masks every key then
-  // averages them all, as MLX's softmax does.
+// s[r][j] = q_r . k_j for R rows and the block's keys, from the block transposed
+// (kt: [dims][KEYS_BLOCK]): each load of the keys serves R rows.
+template <int R>
+inline void block_scores(
+    const float* const* q,
+    const float* kt,
+    int dims,
+    float (*s)[KEYS_BLOCK]) {
+  float acc[R][KEYS_BLOCK] = {};
+  for (int d = 0; d < dims; d++) {
+    const float* row = kt + d * KEYS_BLOCK;
+    for (int r = 0; r < R; r++) {
+      float qd = q[r][d];
+      for (int j = 0; j < KEYS_BLOCK; j++) {
+        acc[r][j] += qd * row[j];
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    for (int j = 0; j < KEYS_BLOCK; j++) {
+      s[r][j] = acc[r][j];
+    }
+  }
+}
+
+// out_r[0:N] = out_r[0:N] * c_r + sum_j p_r[j] v_j[0:N] for R rows and the first
+// `keys` keys of a block: each load of the values serves R rows.
+template <int N, int R>
+inline void block_values(
+    const float (*p)[KEYS_BLOCK],
+    const float* v,
+    int64_t v_stride,
+    int keys,
+    const float* c,
+    float* const* out,
+    int offset) {
+  float acc[R][N];
+  for (int r = 0; r < R; r++) {
+    for (int i = 0; i < N; i++) {
+      acc[r][i] = out[r][offset + i] * c[r];
+    }
+  }
+  for (int j = 0; j < keys; j++) {
+    const float* vj = v + j * v_stride + offset;
+    for (int r = 0; r < R; r++) {
+      float pj = p[r][j];
+      for (int i = 0; i < N; i++) {
+        acc[r][i] += pj * vj[i];
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    for (int i = 0; i < N; i++) {
+      out[r][offset + i] = acc[r][i];
+    }
+  }
+}
+
+template <int R>
+inline void block_all_values(
+    const float (*p)[KEYS_BLOCK],
+    const float* v,
+    int64_t v_stride,
+    int keys,
+    const float* c,
+    float* const* out,
+    int value_dims) {
+  int i = 0;
+  for (; i + 32 <= value_dims; i += 32) {
+    block_values<32, R>(p, v, v_stride, keys, c, out, i);
+  }
+  for (; i + 8 <= value_dims; i += 8) {
+    block_values<8, R>(p, v, v_stride, keys, c, out, i);
+  }
+  for (; i < value_dims; i++) {
+    block_values<1, R>(p, v, v_stride, keys, c, out, i);
+  }
+}
+
+// A row's scores of keys j0 .. j0 + KEYS_BLOCK (its first `seen` visible) turned
+// into exp(score - top) with its running top and total moved on; the factor its
+// earlier sums take.
+inline float online_softmax(
+    const AttentionRow& row,
+    int j0,
+    int seen,
+    float* s,
+    float& top,
+    float& total) {
   constexpr float masked = std::numeric_limits<float>::lowest();
-  float top = r.has_sink ? r.sink : masked;
-  for (int j = 0; j < r.keys; j++) {
-    float score = dot(r.q, r.k + j * r.k_stride, r.dims) * r.scale;
-    if (r.keep != nullptr) {
-      score = r.keep[j * r.mask_stride] ? score : masked;
-    } else if (r.bias != nullptr) {
-      score += r.bias[j * r.mask_stride];
+  constexpr float excluded = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < KEYS_BLOCK; j++) {
+    s[j] = j < seen ? s[j] * row.scale : excluded;
+  }
+  for (int j = 0; j < seen && row.keep != nullptr; j++) {
+    s[j] = row.keep[(j0 + j) * row.mask_stride] ? s[j] : masked;
+  }
+  for (int j = 0; j < seen && row.bias != nullptr; j++) {
+    s[j] += row.bias[(j0 + j) * row.mask_stride];
+  }
+  float block_top = masked;
+  for (int j = 0; j < KEYS_BLOCK; j++) {
+    block_top = std::max(block_top, s[j]);
+  }
+  float new_top = std::max(top, block_top);
+  float c = exp_lane(top - new_top);
+  total = total * c + exp_shifted(s, KEYS_BLOCK, new_top);
+  top = new_top;
+  return c;
+}
+
+void attention_rows(const AttentionRow* rows, int count, float* scratch) {
+  const AttentionRow& first = rows[0];
+  int dims = first.dims, value_dims = first.value_dims;
+  float* kt = scratch;
+  float* top = kt + int64_t(KEYS_BLOCK) * dims;
+  float* total = top + count;
+  int keys = 0;
+  for (int r = 0; r < count; r++) {
+    top[r] = rows[r].has_sink ? rows[r].sink : std::numeric_limits<float>::lowest();
+    total[r] = 0.0f;
+    std::fill(rows[r].out, rows[r].out + value_dims, 0.0f);
+    keys = std::max(keys, rows[r].keys);
+  }
+  float s[2][KEYS_BLOCK];
+  for (int j0 = 0; j0 < keys; j0 += KEYS_BLOCK) {
+    int n = std::min(KEYS_BLOCK, keys - j0);
+    const float* k = first.k + j0 * first.k_stride;
+    for (int j = 0; j < KEYS_BLOCK; j++) {
+      for (int d = 0; d < dims; d++) {
+        kt[d * KEYS_BLOCK + j] = j < n ? k[j * first.k_stride + d] : 0.0f;
+      }
     }
-    scores[j] = score;
-    top = std::max(top, score);
-  }
-  float total = exp_shifted(scores, r.keys, top);
-  if (r.has_sink) {
-    total += exp_lane(r.sink - top);
-  }
-  std::fill(r.out, r.out + r.value_dims, 0.0f);
-  for (int j = 0; j < r.keys; j++) {
-    if (scores[j] != 0.0f) {
-      axpy(scores[j], r.v + j * r.v_stride, r.out, r.value_dims);
+    const float* v = first.v + j0 * first.v_stride;
+    // Rows in pairs where both see keys of this block, else alone.
+    for (int r = 0; r < count;) {
+      int seen = std::min(n, rows[r].keys - j0);
+      if (seen <= 0) {
+        r++;
+        continue;
+      }
+      int seen2 = r + 1 < count ? std::min(n, rows[r + 1].keys - j0) : 0;
+      const float* q[2] = {rows[r].q, seen2 > 0 ? rows[r + 1].q : nullptr};
+      float* out[2] = {rows[r].out, seen2 > 0 ? rows[r + 1].out : nullptr};
+      float c[2];
+      if (seen2 > 0) {
+        block_scores<2>(q, kt, dims, s);
+        c[0] = online_softmax(rows[r], j0, seen, s[0], top[r], total[r]);
+        c[1] = online_softmax(rows[r + 1], j0, seen2, s[1], top[r + 1], total[r + 1]);
+        block_all_values<2>(s, v, first.v_stride, std::max(seen, seen2), c, out, value_dims);
+        r += 2;
+      } else {
+        block_scores<1>(q, kt, dims, s);
+        c[0] = online_softmax(rows[r], j0, seen, s[0], top[r], total[r]);
+        block_all_values<1>(s, v, first.v_stride, seen, c, out, value_dims);
+        r++;
+      }
     }
   }
-  float inv = 1.0f / total;
-  for (int i = 0; i < r.value_dims; i++) {
-    r.out[i] *= inv;
+  for (int r = 0; r < count; r++) {
+    float sum = total[r];
+    if (rows[r].has_sink) {
+      sum += exp_lane(rows[r].sink - top[r]);
+    }
+    float inv = 1.0f / sum;
+    for (int i = 0; i < value_dims; i++) {
+      rows[r].out[i] *= inv;
+    }
   }
 }
 
 } // namespace
 
 RowKernels rows() {
-  return {FUSED_ISA_NAME, rms_norm, layer_norm, rope, attention};
+  return {FUSED_ISA_NAME, rms_norm, layer_norm, rope, attention_rows};
 }
 
 } // namespace qmm::fused::FUSED_ISA

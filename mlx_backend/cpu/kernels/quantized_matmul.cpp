@@ -376,10 +376,9 @@ std::string shape_text(const mx::array& a) {
 
 namespace {
 
-// Checks that x @ dequantize(w, scales, biases).T is a product the kernels take;
-// its number of outputs.
+// Checks that dequantize(w, scales, biases) is a weight the kernels take; its
+// number of rows.
 int check_weight(
-    const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
@@ -412,6 +411,19 @@ int check_weight(
           shape_text(*a));
     }
   }
+  return N;
+}
+
+// The same for x @ dequantize(w, scales, biases).T; its number of outputs.
+int check_weight(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  int N = check_weight(w, scales, biases, group_size, bits);
+  int K = w.shape(1) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument(
         "[quantized_matmul] x's last axis must be " + std::to_string(K) +
@@ -500,8 +512,46 @@ std::shared_ptr<std::vector<char>> row_major_copy(const mx::array& a) {
 
 namespace {
 
-// The problem of x @ dequantize(w).T into y; `copies` keeps the row-major copies
-// of inputs that aren't.
+// `a`'s data, or a row-major copy kept in `copies` for an input that isn't.
+const void* row_major(
+    const mx::array& a,
+    std::vector<std::shared_ptr<std::vector<char>>>& copies) {
+  if (a.flags().row_contiguous) {
+    return a.data<void>();
+  }
+  copies.push_back(row_major_copy(a));
+  return copies.back()->data();
+}
+
+// The weight's part of a problem, writing y (no x yet).
+Problem weight_problem(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    mx::array& y,
+    int group_size,
+    int bits,
+    std::vector<std::shared_ptr<std::vector<char>>>& copies) {
+  Problem p;
+  p.x = nullptr;
+  p.xsum = nullptr;
+  p.xq = nullptr;
+  p.xd = nullptr;
+  p.xl = nullptr;
+  p.w = static_cast<const uint32_t*>(row_major(w, copies));
+  p.scales = row_major(scales, copies);
+  p.biases = row_major(biases, copies);
+  p.y = y.data<float>();
+  p.M = 0;
+  p.N = w.shape(0);
+  p.K = w.shape(1) * 32 / bits;
+  p.bits = bits;
+  p.group_size = group_size;
+  p.scale_type = scale_type(scales.dtype());
+  return p;
+}
+
+// The problem of x @ dequantize(w).T into y.
 Problem problem(
     const mx::array& x,
     const mx::array& w,
@@ -511,29 +561,9 @@ Problem problem(
     int group_size,
     int bits,
     std::vector<std::shared_ptr<std::vector<char>>>& copies) {
-  auto data = [&](const mx::array& a) -> const void* {
-    if (a.flags().row_contiguous) {
-      return a.data<void>();
-    }
-    copies.push_back(row_major_copy(a));
-    return copies.back()->data();
-  };
-  Problem p;
-  p.x = static_cast<const float*>(data(x));
-  p.xsum = nullptr;
-  p.xq = nullptr;
-  p.xd = nullptr;
-  p.xl = nullptr;
-  p.w = static_cast<const uint32_t*>(data(w));
-  p.scales = data(scales);
-  p.biases = data(biases);
-  p.y = y.data<float>();
-  p.N = w.shape(0);
-  p.K = x.shape(-1);
+  Problem p = weight_problem(w, scales, biases, y, group_size, bits, copies);
+  p.x = static_cast<const float*>(row_major(x, copies));
   p.M = int(x.size() / p.K);
-  p.bits = bits;
-  p.group_size = group_size;
-  p.scale_type = scale_type(scales.dtype());
   return p;
 }
 
@@ -561,6 +591,63 @@ void QuantizedMatmul::eval_cpu(
     std::lock_guard<std::mutex> lock(state().mutex);
     compute(ps);
   });
+}
+
+mx::array quantized_rows(
+    const mx::array& indices,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  check_weight(w, scales, biases, group_size, bits);
+  if (indices.dtype() != mx::int32 && indices.dtype() != mx::uint32) {
+    throw std::invalid_argument("[quantized_rows] indices must be int32 or uint32");
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto shape = indices.shape();
+  shape.push_back(w.shape(1) * 32 / bits);
+  auto common = mx::promote_types(scales.dtype(), biases.dtype());
+  return mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<QuantizedRows>(stream, group_size, bits),
+      {indices, w, as(scales, common, stream), as(biases, common, stream)});
+}
+
+void QuantizedRows::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  dispatch_task(stream(), inputs, out, [group_size = group_size_, bits = bits_](
+                                           std::vector<mx::array>& in,
+                                           mx::array& y) {
+    std::vector<std::shared_ptr<std::vector<char>>> copies;
+    Problem p = weight_problem(in[1], in[2], in[3], y, group_size, bits, copies);
+    auto index = static_cast<const uint32_t*>(row_major(in[0], copies));
+    bool is_signed = in[0].dtype() == mx::int32;
+    std::lock_guard<std::mutex> lock(state().mutex);
+    Kernels k = simd_shape(p) ? state().kernels : portable_kernels();
+    for (size_t i = 0; i < in[0].size(); i++) {
+      int64_t row = is_signed ? int64_t(int32_t(index[i])) : int64_t(index[i]);
+      float* dst = p.y + i * size_t(p.K);
+      // A row outside the table is zeros (MLX's take reads what is there).
+      if (row < 0 || row >= p.N) {
+        std::fill(dst, dst + p.K, 0.0f);
+      } else {
+        k.dequantize(p, int(row), int(row) + 1, dst);
+      }
+    }
+  });
+}
+
+void QuantizedRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[quantized_rows] runs on the CPU only");
+}
+
+bool QuantizedRows::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QuantizedRows&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
 void QuantizedMatmul::eval_gpu(

@@ -33,6 +33,41 @@ std::vector<mx::array> quantized_matmuls(
     int bits,
     mx::StreamOrDevice s = {});
 
+// dequantize(w, scales, biases)[indices] as float32 [*indices.shape, K]: a
+// quantized embedding's lookup as one node.
+mx::array quantized_rows(
+    const mx::array& indices,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+class QuantizedRows : public mx::UnaryPrimitive {
+ public:
+  // Inputs: the indices (int32 or uint32), then w, scales and biases.
+  QuantizedRows(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CpuQuantizedRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.push_back(inputs[1].shape(1) * 32 / bits_);
+    return {shape};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
 // One node for x @ dequantize(w_i, scales_i, biases_i).T, one output per weight.
 class QuantizedMatmul : public mx::Primitive {
  public:
