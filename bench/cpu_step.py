@@ -164,10 +164,10 @@ def worst(values, higher_is_better: bool = True) -> float:
     return min(values) if higher_is_better else max(values)
 
 
-def ratio(values, reference, higher: bool = True) -> str:
-    """Worst run over the reference's worst run."""
+def ratio(values, reference, higher: bool = True) -> float:
+    """Worst run over the reference's worst run (nan without a reference)."""
     base = worst(reference, higher)
-    return f"{worst(values, higher) / base:.2f}x" if base else "n/a"
+    return worst(values, higher) / base if base else float("nan")
 
 
 def bench_cpu_step(
@@ -189,13 +189,14 @@ def bench_cpu_step(
 
     def row(label, values: dict, fmt="{:.1f}", higher=True, reference=None):
         on, off = values["on"], values["off"]
-        cells = [text(on, fmt), text(off, fmt), ratio(on, off, higher)]
+        against_off = ratio(on, off, higher)
+        cells = [text(on, fmt), text(off, fmt), f"{against_off:.2f}x"]
         if reference:
-            cells += [text(reference, fmt), ratio(on, reference, higher)]
+            cells += [text(reference, fmt), f"{ratio(on, reference, higher):.2f}x"]
         elif llama:
             cells += ["", ""]
         rows.append("| " + " | ".join([label, *cells]) + " |")
-        return worst(on, higher) / worst(off, higher) if worst(off, higher) else 0.0
+        return against_off
 
     def values(source, key):
         return {name: [r[key] for r in source[name]] for name in SIDES}

@@ -492,7 +492,6 @@ void CpuAttention::eval_cpu(
     const void* mask = nullptr;
     bool keep_mask = false;
     int64_t mask_strides[4] = {0, 0, 0, 0};
-    std::vector<char> mask_copy;
     if (has_mask) {
       auto& m = in[3];
       keep_mask = m.dtype() == mx::bool_;
