@@ -97,6 +97,24 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
     qmm.set_activations("float32")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_wide_tiles_over_long_rows_and_chunks(qmm, bits):
+    """Batches of 8 rows or more take the wide tiles, which go over weight rows in
+    chunks and over K in spans: rows longer than a span with an odd number of 32s,
+    outputs not a multiple of the chunk, and leftover rows after the wide tiles
+    all stay within the float32 bound, on each instruction set."""
+    n, k = 45, 32 * 33
+    wq, scales, biases = quantized(n, k, bits, 32, mx.float16, 17)
+    for rows in (8, 13, 16, 27):
+        x = mx.random.normal((rows, k), key=mx.random.key(rows))
+        expected, _, total = reference(x, wq, scales, biases, 32, bits)
+        for isa in isas(qmm):
+            qmm.set_isa(isa)
+            y = qmm.quantized_matmul(x, wq, scales, biases, 32, bits)
+            assert_within(y, expected, 2 * k * FLOAT32_EPS * total + 1e-6)
+    qmm.set_isa("auto")
+
+
 def test_threads_give_the_same_products(qmm):
     wq, scales, biases = quantized(1000, 512, 4, 32, mx.float16, 7)
     x = mx.random.normal((3, 512), key=mx.random.key(8))
@@ -175,7 +193,9 @@ def test_quantized_rows_match_the_dequantized_lookup(qmm, bits, dtype):
             rows = qmm.quantized_rows(indices, wq, scales, biases, 64, bits)
             assert rows.shape == (*indices.shape, 192) and rows.dtype == mx.float32
             assert mx.allclose(rows, table[indices], rtol=1e-6, atol=1e-6)
-        outside = qmm.quantized_rows(mx.array([40, -1, 2]), wq, scales, biases, 64, bits)
+        outside = qmm.quantized_rows(
+            mx.array([40, -1, 2]), wq, scales, biases, 64, bits
+        )
         assert not outside[:2].any().item() and outside[2].any().item()
     qmm.set_isa("auto")
     with pytest.raises(ValueError, match="indices must be int32 or uint32"):

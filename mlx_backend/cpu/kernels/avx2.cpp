@@ -2,6 +2,7 @@
 // when the CPU has them).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -74,33 +75,96 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+// A row's scales or biases read where they are stored (ST: their type), for the
+// float kernels: no float32 copy of each row first.
+template <ScaleType ST>
+inline __m128 two_values(const void* row, int a, int b) {
+  if constexpr (ST == ScaleType::f32) {
+    auto f = static_cast<const float*>(row);
+    return _mm_unpacklo_ps(_mm_load_ss(f + a), _mm_load_ss(f + b));
+  } else {
+    auto h = static_cast<const uint16_t*>(row);
+    __m128i v = _mm_cvtsi32_si128(int(h[a] | uint32_t(h[b]) << 16));
+    if constexpr (ST == ScaleType::f16) {
+      return _mm_cvtph_ps(v);
+    } else {
+      return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(v), 16));
+    }
   }
-  float total = horizontal_sum(acc);
-  for (; i < n; i++) {
-    total += a[i] * b[i];
+}
+
+// Values [g, g + 8) of a row, when all 8 are in it.
+template <ScaleType ST>
+inline __m256 eight_values(const void* row, int g) {
+  if constexpr (ST == ScaleType::f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + g);
+  } else {
+    auto h = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + g);
+    __m128i v = _mm_loadu_si128(h);
+    if constexpr (ST == ScaleType::f16) {
+      return _mm256_cvtph_ps(v);
+    } else {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    }
   }
-  return total;
+}
+
+// The scales of a block's lanes: a 4-bit block's first 4 words are one group's
+// 32 weights and its last 4 the next 32 (the same group from 64 on); an 8-bit
+// block is one group.
+template <int BITS, ScaleType ST>
+inline __m256 block_scales(const void* row, int k0, int shift) {
+  int second = BITS == 4 ? (k0 + 32) >> shift : k0 >> shift;
+  __m128 two = two_values<ST>(row, k0 >> shift, second);
+  return _mm256_permutevar8x32_ps(
+      _mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 // Each row's output for weight row n: its scaled group sums, plus the biases met
-// with x's exact group sums.
-template <int ROWS>
+// with x's exact group sums, both in the row's vector before its one reduction.
+template <int ROWS, ScaleType ST = ScaleType::f32>
 inline void store_rows(
     const Problem& p,
     int n,
     int m,
-    const __m256 total[ROWS],
-    const float* biases) {
+    __m256 total[ROWS],
+    const void* biases) {
   int groups = p.K / p.group_size;
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m256 b = eight_values<ST>(biases, g);
+    for (int r = 0; r < ROWS; r++) {
+      const float* xsum = p.xsum + std::size_t(m + r) * groups;
+      total[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), total[r]);
+    }
+  }
+  if (g < groups && groups >= 8) {
+    // The row's last 8 values, the lanes already met masked off.
+    int from = groups - 8;
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 fresh = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(lanes, _mm256_set1_epi32(g - from - 1)));
+    __m256 b = _mm256_and_ps(eight_values<ST>(biases, from), fresh);
+    for (int r = 0; r < ROWS; r++) {
+      const float* xsum = p.xsum + std::size_t(m + r) * groups;
+      total[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + from), total[r]);
+    }
+  } else if (g < groups) {
+    float b[8];
+    for (int i = 0; i < groups; i++) {
+      b[i] = _mm_cvtss_f32(two_values<ST>(biases, i, i));
+    }
+    for (int r = 0; r < ROWS; r++) {
+      const float* xsum = p.xsum + std::size_t(m + r) * groups;
+      float dot = 0.0f;
+      for (int i = 0; i < groups; i++) {
+        dot += b[i] * xsum[i];
+      }
+      total[r] = _mm256_add_ps(total[r], _mm256_setr_ps(dot, 0, 0, 0, 0, 0, 0, 0));
+    }
+  }
   for (int r = 0; r < ROWS; r++) {
-    const float* xsum = p.xsum + std::size_t(m + r) * groups;
-    p.y[std::size_t(m + r) * p.N + n] =
-        horizontal_sum(total[r]) + dot(biases, xsum, groups);
+    p.y[std::size_t(m + r) * p.N + n] = horizontal_sum(total[r]);
   }
 }
 
@@ -109,16 +173,17 @@ inline void store_rows(
 // one field of every word, met by x's matching lanes: no shuffles. Each block's
 // sums are scaled per lane (its words' groups), and the biases meet x's exact
 // group sums.
-template <int BITS, int ROWS>
+template <int BITS, int ROWS, ScaleType ST>
 inline void rows_tile(
     const Problem& p,
     int n,
     int m,
-    const float* scales,
-    const float* biases) {
+    const void* scales,
+    const void* biases) {
   constexpr int PER_WORD = 32 / BITS;
   constexpr int BLOCK = 8 * PER_WORD;
-  const int G = p.group_size;
+  // Group sizes are powers of two (simd_shape): a shift, not a division, per block.
+  const int shift = __builtin_ctz(p.group_size);
   const uint32_t* w = p.w + std::size_t(n) * (p.K / PER_WORD);
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const float* x[ROWS];
@@ -147,12 +212,7 @@ inline void rows_tile(
             _mm256_fmadd_ps(q, _mm256_loadu_ps(x[r] + k0 + 8 * i), acc[r][i & 1]);
       }
     }
-    // A 4-bit block's first 4 words are 32 weights, its last 4 the next 32.
-    __m256 scale = BITS == 4
-        ? _mm256_set_m128(
-              _mm_broadcast_ss(scales + (k0 + 32) / G),
-              _mm_broadcast_ss(scales + k0 / G))
-        : _mm256_broadcast_ss(scales + k0 / G);
+    __m256 scale = block_scales<BITS, ST>(scales, k0, shift);
     for (int r = 0; r < ROWS; r++) {
       total[r] =
           _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), scale, total[r]);
@@ -161,7 +221,7 @@ inline void rows_tile(
   if (k0 < p.K) {
     // The last 4 words of a 4-bit row whose length is an odd number of 32s.
     __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    __m128 scale = _mm_broadcast_ss(scales + k0 / G);
+    __m128 scale = _mm_broadcastss_ps(two_values<ST>(scales, k0 >> shift, 0));
     __m128 acc[ROWS];
     for (int r = 0; r < ROWS; r++) {
       acc[r] = _mm_setzero_ps();
@@ -179,7 +239,62 @@ inline void rows_tile(
           total[r], _mm256_zextps128_ps256(_mm_mul_ps(acc[r], scale)));
     }
   }
-  store_rows<ROWS>(p, n, m, total, biases);
+  store_rows<ROWS, ST>(p, n, m, total, biases);
+}
+
+// WIDE rows of x against weight row n over columns [k0, k1) (whole blocks, or to
+// K), into their running totals: for batches. Each field is scaled once, shared by
+// all the rows, and meets every row straight into its total, so a block costs one
+// conversion for the 8 rows and no per-row reduction.
+template <int BITS, int WIDE, ScaleType ST>
+inline void rows_tile_wide(
+    const Problem& p,
+    int n,
+    int m,
+    int k0,
+    int k1,
+    const void* scales,
+    __m256 total[WIDE]) {
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int BLOCK = 8 * PER_WORD;
+  const int shift = __builtin_ctz(p.group_size);
+  const uint32_t* w = p.w + std::size_t(n) * (p.K / PER_WORD) + k0 / PER_WORD;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  const float* x[WIDE];
+  for (int r = 0; r < WIDE; r++) {
+    x[r] = p.xl + std::size_t(m + r) * p.K;
+  }
+  for (; k0 + BLOCK <= k1; k0 += BLOCK, w += 8) {
+    __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    __m256 scale = block_scales<BITS, ST>(scales, k0, shift);
+#pragma GCC unroll 8
+    for (int i = 0; i < PER_WORD; i++) {
+      __m256i field = i == 0 ? words : _mm256_srli_epi32(words, i * BITS);
+      if (i != PER_WORD - 1) {
+        field = _mm256_and_si256(field, mask);
+      }
+      __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(field), scale);
+      for (int r = 0; r < WIDE; r++) {
+        total[r] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x[r] + k0 + 8 * i), total[r]);
+      }
+    }
+  }
+  if (k0 < k1) {
+    // The last 4 words of a 4-bit row whose length is an odd number of 32s.
+    __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    __m128 scale = _mm_broadcastss_ps(two_values<ST>(scales, k0 >> shift, 0));
+    for (int i = 0; i < PER_WORD; i++) {
+      __m128i field = _mm_and_si128(
+          _mm_srli_epi32(words, i * BITS), _mm256_castsi256_si128(mask));
+      __m128 q = _mm_mul_ps(_mm_cvtepi32_ps(field), scale);
+      for (int r = 0; r < WIDE; r++) {
+        total[r] = _mm256_fmadd_ps(
+            _mm256_zextps128_ps256(q),
+            _mm256_zextps128_ps256(_mm_loadu_ps(x[r] + k0 + 4 * i)),
+            total[r]);
+      }
+    }
+  }
 }
 
 // 32 weights as bytes, in the order quantize_rows(interleaved) puts x: 4-bit
@@ -306,27 +421,100 @@ inline void rows_tile_int16(
   store_rows<ROWS>(p, n, m, total, biases);
 }
 
-// Every row of x against weight rows n0..n1, in tiles of up to 4 rows.
 enum class Activations { float32, int16, int8 };
 
-template <int BITS, Activations X>
-void rows_bits(const Problem& p, int n0, int n1) {
+// Float32 x against weight rows n0..n1, the scales and biases read as stored: in
+// tiles of WIDE_ROWS rows of x while that many are left, then of up to 4. Wide
+// tiles go over CHUNK weight rows and COLUMNS columns at a time, so that the 8
+// rows of x they read stay in the L1 cache across the chunk.
+constexpr int WIDE_ROWS = 8;
+constexpr int CHUNK = 16;
+constexpr int COLUMNS = 512;
+
+template <int BITS, ScaleType ST>
+void rows_float(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
-  thread_local std::vector<float> scales, biases;
-  scales.resize(groups + 8);
-  biases.resize(groups + 8);
+  std::size_t size = ST == ScaleType::f32 ? 4 : 2;
+  auto scales = static_cast<const char*>(p.scales);
+  auto biases = static_cast<const char*>(p.biases);
+  int wide = p.M / WIDE_ROWS * WIDE_ROWS;
+  __m256 totals[CHUNK][WIDE_ROWS];
+  for (int c0 = n0; c0 < n1; c0 += CHUNK) {
+    int c1 = std::min(n1, c0 + CHUNK);
+    for (int m = 0; m < wide; m += WIDE_ROWS) {
+      for (int n = c0; n < c1; n++) {
+        for (int r = 0; r < WIDE_ROWS; r++) {
+          totals[n - c0][r] = _mm256_setzero_ps();
+        }
+      }
+      for (int k0 = 0; k0 < p.K; k0 += COLUMNS) {
+        int k1 = std::min(p.K, k0 + COLUMNS);
+        for (int n = c0; n < c1; n++) {
+          const void* s = scales + std::size_t(n) * groups * size;
+          rows_tile_wide<BITS, WIDE_ROWS, ST>(p, n, m, k0, k1, s, totals[n - c0]);
+        }
+      }
+      for (int n = c0; n < c1; n++) {
+        const void* b = biases + std::size_t(n) * groups * size;
+        store_rows<WIDE_ROWS, ST>(p, n, m, totals[n - c0], b);
+      }
+    }
+    for (int n = c0; n < c1; n++) {
+      std::size_t offset = std::size_t(n) * groups * size;
+      const void* s = scales + offset;
+      const void* b = biases + offset;
+      int m = wide;
+      for (; m + 4 <= p.M; m += 4) {
+        rows_tile<BITS, 4, ST>(p, n, m, s, b);
+      }
+      switch (p.M - m) {
+        case 3:
+          rows_tile<BITS, 3, ST>(p, n, m, s, b);
+          break;
+        case 2:
+          rows_tile<BITS, 2, ST>(p, n, m, s, b);
+          break;
+        case 1:
+          rows_tile<BITS, 1, ST>(p, n, m, s, b);
+          break;
+      }
+    }
+  }
+}
+
+template <int BITS>
+void rows_float_bits(const Problem& p, int n0, int n1) {
+  switch (p.scale_type) {
+    case ScaleType::f32:
+      return rows_float<BITS, ScaleType::f32>(p, n0, n1);
+    case ScaleType::f16:
+      return rows_float<BITS, ScaleType::f16>(p, n0, n1);
+    case ScaleType::bf16:
+      return rows_float<BITS, ScaleType::bf16>(p, n0, n1);
+  }
+}
+
+// x rounded to integers against weight rows n0..n1, in tiles of up to 4 rows of x;
+// each row's scales and biases first as float32.
+template <int BITS, Activations X>
+void rows_integer(const Problem& p, int n0, int n1) {
+  int groups = p.K / p.group_size;
+  thread_local std::vector<float> scale_room, bias_room;
+  scale_room.resize(groups + 8);
+  bias_room.resize(groups + 8);
+  // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
+  float* scales = scale_room.data();
+  float* biases = bias_room.data();
   auto tile = [&]<int ROWS>(int n, int m) {
     if constexpr (X == Activations::int8) {
-      rows_tile_int8<BITS, ROWS>(p, n, m, scales.data(), biases.data());
-    } else if constexpr (X == Activations::int16) {
-      rows_tile_int16<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+      rows_tile_int8<BITS, ROWS>(p, n, m, scales, biases);
     } else {
-      rows_tile<BITS, ROWS>(p, n, m, scales.data(), biases.data());
+      rows_tile_int16<BITS, ROWS>(p, n, m, scales, biases);
     }
   };
   for (int n = n0; n < n1; n++) {
-    load_scales(p, p.scales, n, scales.data());
-    load_scales(p, p.biases, n, biases.data());
+    load_scales(p, p.scales, n, scales);
+    load_scales(p, p.biases, n, biases);
     if constexpr (X == Activations::int8 && BITS == 8) {
       for (int g = 0; g < groups; g++) {
         biases[g] += 128.0f * scales[g];
@@ -380,25 +568,25 @@ void dequantize_bits(const Problem& p, int n0, int n1, float* out) {
 
 void rows_avx2(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    rows_bits<4, Activations::float32>(p, n0, n1);
+    rows_float_bits<4>(p, n0, n1);
   } else {
-    rows_bits<8, Activations::float32>(p, n0, n1);
+    rows_float_bits<8>(p, n0, n1);
   }
 }
 
 void rows_avx2_int8(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    rows_bits<4, Activations::int8>(p, n0, n1);
+    rows_integer<4, Activations::int8>(p, n0, n1);
   } else {
-    rows_bits<8, Activations::int8>(p, n0, n1);
+    rows_integer<8, Activations::int8>(p, n0, n1);
   }
 }
 
 void rows_avx2_int16(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    rows_bits<4, Activations::int16>(p, n0, n1);
+    rows_integer<4, Activations::int16>(p, n0, n1);
   } else {
-    rows_bits<8, Activations::int16>(p, n0, n1);
+    rows_integer<8, Activations::int16>(p, n0, n1);
   }
 }
 

@@ -222,7 +222,8 @@ State& state() {
 }
 
 bool simd_shape(const Problem& p) {
-  return (p.bits == 4 || p.bits == 8) && p.group_size % 32 == 0;
+  bool power_of_two = (p.group_size & (p.group_size - 1)) == 0;
+  return (p.bits == 4 || p.bits == 8) && p.group_size % 32 == 0 && power_of_two;
 }
 
 void group_sums(Problem& p, std::vector<float>& xsum) {
