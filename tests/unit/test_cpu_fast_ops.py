@@ -4,6 +4,7 @@ families use, on each instruction set, within stated bounds; and their routing."
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import activations, llama
 
 from mlx_backend.cpu.kernels import fast_ops
 
@@ -286,9 +287,84 @@ def test_bad_inputs_are_refused_as_mlx_refuses_them(qmm, call, message):
         call(qmm)
 
 
+# The elementwise exp MLX's CPU build runs one scalar at a time.
+MLX_SWIGLU = fast_ops._MLX_SWIGLU
+MLX_LOGSUMEXP = fast_ops._MLX_LOGSUMEXP
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_swiglu_matches_mlx_lm(qmm, isa, dtype):
+    gate = normal((3, 7, 1537), 30, dtype) * 8
+    x = normal((3, 7, 1537), 31, dtype)
+    expected = MLX_SWIGLU(gate, x)
+    # exp to a few float32 steps (the polynomial's FMAs may differ), then MLX's
+    # roundings of sigmoid, silu and the product in half precision (ours rounds
+    # once), each within its dtype's step of |gate * x|.
+    scale = mx.abs(gate.astype(mx.float32) * x.astype(mx.float32))
+    assert_close(
+        qmm.swiglu(gate, x), expected, scale * (16 * 2.0**-23 + 3 * EPS[dtype])
+    )
+    # Strided views: a transposed gate and every other row of x.
+    g, u = normal((1537, 6), 32).T, normal((12, 1537), 33)[::2]
+    expected = MLX_SWIGLU(g, u)
+    assert_close(qmm.swiglu(g, u), expected, mx.abs(expected) * 16 * 2.0**-23)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_logsumexp_matches_mlx(qmm, isa, dtype):
+    # A decode step's logits for 16 rows, and a short odd row.
+    for shape in ((16, 49152), (2, 3, 37)):
+        x = normal(shape, 34, dtype) * 6
+        expected = MLX_LOGSUMEXP(x, axis=-1, keepdims=True)
+        # Sums of up to 49152 terms in another order: K * eps of the total.
+        bound = mx.abs(expected.astype(mx.float32)) * (
+            shape[-1] * 2.0**-24 + 2 * EPS[dtype]
+        )
+        assert_close(qmm.logsumexp(x), expected, bound)
+    edges = mx.array([[-float("inf")] * 3, [1.0, float("inf"), 0.0], [0.0, -1e30, 5]])
+    assert qmm.logsumexp(edges)[:2, 0].tolist() == [-float("inf"), float("inf")]
+    assert (
+        abs(qmm.logsumexp(edges)[2, 0].item() - MLX_LOGSUMEXP(edges[2]).item()) < 1e-6
+    )
+
+
+def test_swiglu_and_logsumexp_have_mlx_gradients(qmm):
+    gate, x = normal((2, 33), 35) * 4, normal((2, 33), 36)
+
+    def loss(gate, x):
+        return (fast_ops.swiglu(gate, x) ** 2).sum() + fast_ops.logsumexp(
+            gate * x, axis=-1
+        ).sum()
+
+    fast_ops.route_fast_ops()
+    ours = mx.grad(loss, argnums=(0, 1))(gate, x)
+    with fast_ops.mlx_fast_ops():
+        expected = mx.grad(loss, argnums=(0, 1))(gate, x)
+    for a, b in zip(ours, expected):
+        assert_close(a, b, mx.abs(b) * 1e-5 + 1e-6)
+
+
+def test_routed_logsumexp_keeps_mlx_shapes(qmm):
+    fast_ops.route_fast_ops()
+    x = normal((1, 100), 37)
+    cases = [{}, {"keepdims": True}, {"axis": -1}, {"axis": [1], "keepdims": True}]
+    for kw in cases + [{"axis": 0}]:
+        y = mx.logsumexp(x, **kw)
+        expected = MLX_LOGSUMEXP(x, **kw)
+        assert_close(y, expected, mx.abs(expected) * 100 * 2.0**-24)
+    # Over all axes of a matrix: MLX's own.
+    wide = normal((3, 5), 38)
+    assert mx.logsumexp(wide).shape == () and mx.allclose(
+        mx.logsumexp(wide), MLX_LOGSUMEXP(wide)
+    )
+
+
 def test_routing_puts_each_fast_op_on_one_primitive(qmm):
     assert fast_ops.route_fast_ops() == (qmm.fused_isa(), "")
     assert mx.fast.rms_norm is fast_ops.rms_norm
+    # mlx-lm's swiglu, where model modules took it too, and mx.logsumexp.
+    assert llama.swiglu is fast_ops.swiglu and activations.swiglu is fast_ops.swiglu
+    assert mx.logsumexp is fast_ops.logsumexp
     x = normal((1, 9, 1, 64), 24)
     k = normal((1, 3, 40, 64), 25)
     y = mx.fast.scaled_dot_product_attention(x, k, k, scale=0.125, mask="causal")
@@ -311,6 +387,7 @@ def test_routing_is_off_by_switch(qmm, monkeypatch):
     monkeypatch.setenv(fast_ops.FAST_OPS_ENV, "off")
     assert fast_ops.route_fast_ops() == ("", f"off ({fast_ops.FAST_OPS_ENV})")
     assert mx.fast.rope is MLX["rope"]
+    assert llama.swiglu is MLX_SWIGLU and mx.logsumexp is MLX_LOGSUMEXP
     monkeypatch.delenv(fast_ops.FAST_OPS_ENV)
     assert fast_ops.route_fast_ops() == (qmm.fused_isa(), "")
     assert mx.fast.rope is fast_ops.rope

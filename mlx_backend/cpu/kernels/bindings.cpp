@@ -105,6 +105,22 @@ NB_MODULE(_qmm, m) {
       "mask"_a = nb::none(),
       "sinks"_a = nb::none(),
       "stream"_a = nb::none());
+  // Operations MLX's CPU build runs one scalar exp at a time.
+  m.def(
+      "swiglu",
+      &qmm::swiglu,
+      "gate"_a,
+      "x"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "silu(gate) * x as one node.");
+  m.def(
+      "logsumexp",
+      &qmm::logsumexp,
+      "x"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "logsumexp over the last axis, kept, as one node.");
   m.def("set_fused_isa", &qmm::set_fused_isa, "isa"_a);
   m.def("fused_isa", &qmm::fused_isa);
 }

@@ -7,13 +7,20 @@ and a pass over memory. ``route_fast_ops`` puts a function in ``mx.fast`` for ea
 that builds one primitive of the kernel extension (``fused.cpp``) instead, and
 calls MLX's own where the primitive does not take the inputs. Every family's code
 reaches them unchanged: mlx-lm's layers call ``mx.fast`` when they run.
+
+Two more go the same way because MLX's CPU build computes exp one scalar at a time
+(about 13 ns each): mlx-lm's ``swiglu`` (the MLP activation of most families, a
+compiled graph) and ``mx.logsumexp`` (every decode step's logprobs, over the whole
+vocabulary, for every row).
 """
 
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models import activations
 
 from mlx_backend.cpu.kernels import FAST_OPS_ENV, load_kernels
 from mlx_backend.switches import switched_off
@@ -21,6 +28,8 @@ from mlx_backend.switches import switched_off
 _NAMES = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
 # MLX's own functions, captured before any routing.
 _MLX = {name: getattr(mx.fast, name) for name in _NAMES}
+_MLX_LOGSUMEXP = mx.logsumexp
+_MLX_SWIGLU = activations.swiglu
 
 
 @dataclass
@@ -93,6 +102,40 @@ def scaled_dot_product_attention(
     )
 
 
+def swiglu(gate, x):
+    k = _routing.kernels
+    if k is not None and gate.shape == x.shape:
+        return k.swiglu(gate, x)
+    return _MLX_SWIGLU(gate, x)
+
+
+def logsumexp(a, axis=None, keepdims=False, *, stream=None):
+    k = _routing.kernels
+    last = a.ndim - 1
+    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    # Over the last axis, or over all of them where only the last is longer than 1.
+    over_last = axes in ([-1], [last]) or (axis is None and a.size == a.shape[-1])
+    if k is None or stream is not None or a.ndim == 0 or a.size == 0 or not over_last:
+        return _MLX_LOGSUMEXP(a, axis, keepdims, stream=stream)
+    y = k.logsumexp(a)
+    if axis is None:
+        return y.reshape([1] * a.ndim if keepdims else [])
+    return y if keepdims else y.squeeze(-1)
+
+
+def _install_swiglu(fn) -> None:
+    """``fn`` as mlx-lm's swiglu: in its module, for models imported later, and in
+    every model module that already took it."""
+    current = activations.swiglu
+    activations.swiglu = fn
+    for name, module in list(sys.modules.items()):
+        if (
+            name.startswith("mlx_lm.models.")
+            and getattr(module, "swiglu", None) is current
+        ):
+            module.swiglu = fn
+
+
 _ROUTED = {
     "rms_norm": rms_norm,
     "layer_norm": layer_norm,
@@ -102,15 +145,17 @@ _ROUTED = {
 
 
 def route_fast_ops() -> tuple[str, str]:
-    """Run ``mx.fast``'s four operations on the CPU kernels in this process from
-    now on (idempotent): their instruction set and "", or "" and why MLX's own
-    run (then restored)."""
+    """Run ``mx.fast``'s four operations, ``mx.logsumexp`` and mlx-lm's ``swiglu``
+    on the CPU kernels in this process from now on (idempotent): their
+    instruction set and "", or "" and why MLX's own run (then restored)."""
     kernels, why = load_kernels()
     if switched_off(os.environ, FAST_OPS_ENV):
         kernels, why = None, f"off ({FAST_OPS_ENV})"
     _routing.kernels = kernels
     for name, fn in (_MLX if kernels is None else _ROUTED).items():
         setattr(mx.fast, name, fn)
+    mx.logsumexp = _MLX_LOGSUMEXP if kernels is None else logsumexp
+    _install_swiglu(_MLX_SWIGLU if kernels is None else swiglu)
     return ("", why) if kernels is None else (kernels.fused_isa(), "")
 
 

@@ -238,6 +238,109 @@ bool CpuNorm::is_equivalent(const mx::Primitive& other) const {
       has_bias_ == o.has_bias_ && eps_ == o.eps_;
 }
 
+mx::array swiglu(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s_) {
+  if (gate.shape() != x.shape()) {
+    std::ostringstream msg;
+    msg << "[swiglu] gate and x must have one shape but have " << gate.shape()
+        << " and " << x.shape() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  auto out_type = mx::promote_types(gate.dtype(), x.dtype());
+  check_floating("swiglu", out_type);
+  auto s = mx::to_stream(s_, mx::Device::cpu);
+  auto y = mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<CpuRowOp>(s, CpuRowOp::Op::swiglu),
+      {as(gate, mx::float32, s), as(x, mx::float32, s)});
+  return as(y, out_type, s);
+}
+
+mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s_) {
+  if (x.ndim() == 0 || x.shape(-1) == 0) {
+    throw std::invalid_argument(
+        "[logsumexp] Input must have at least 1 dimension and a last axis of "
+        "at least one element.");
+  }
+  check_floating("logsumexp", x.dtype());
+  auto s = mx::to_stream(s_, mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = 1;
+  auto y = mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<CpuRowOp>(s, CpuRowOp::Op::logsumexp),
+      {as(x, mx::float32, s)});
+  return as(y, x.dtype(), s);
+}
+
+std::vector<mx::Shape> CpuRowOp::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  if (op_ == Op::logsumexp) {
+    shape.back() = 1;
+  }
+  return {shape};
+}
+
+void CpuRowOp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto run = [op = op_](std::vector<mx::array>& in, mx::array& out) {
+    Rows x = rows_of(in[0]);
+    int n = in[0].shape(-1);
+    int rows = int(x.starts.size());
+    float* y = out.data<float>();
+    const RowKernels& k = row_kernels();
+    // On this thread, as the norms: a pass over at most a prefill chunk's rows.
+    if (op == Op::logsumexp) {
+      for (int r = 0; r < rows; r++) {
+        y[r] = k.log_sum_exp(x.data + x.starts[r], n);
+      }
+      return;
+    }
+    Rows u = rows_of(in[1]);
+    for (int r = 0; r < rows; r++) {
+      k.silu_mul(x.data + x.starts[r], u.data + u.starts[r], y + int64_t(r) * n, n);
+    }
+  };
+  dispatch_task(stream(), inputs, out, run);
+}
+
+std::vector<mx::array> CpuRowOp::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>& outputs) {
+  auto s = stream();
+  const auto& c = cotangents[0];
+  std::vector<mx::array> grads;
+  if (op_ == Op::logsumexp) {
+    // d/dx = softmax(x) = exp(x - logsumexp(x)).
+    auto softmax = mx::exp(mx::subtract(primals[0], outputs[0], s), s);
+    grads.push_back(mx::multiply(c, softmax, s));
+    return grads;
+  }
+  const auto& g = primals[0];
+  const auto& u = primals[1];
+  auto sigmoid = mx::sigmoid(g, s);
+  for (int arg : argnums) {
+    if (arg == 0) {
+      // silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
+      auto one = mx::array(1.0f, mx::float32);
+      auto slope = mx::multiply(
+          sigmoid,
+          mx::add(one, mx::multiply(g, mx::subtract(one, sigmoid, s), s), s),
+          s);
+      grads.push_back(mx::multiply(c, mx::multiply(u, slope, s), s));
+    } else {
+      grads.push_back(mx::multiply(c, mx::multiply(g, sigmoid, s), s));
+    }
+  }
+  return grads;
+}
+
+void CpuRowOp::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[CpuRowOp] runs on the CPU only");
+}
+
 mx::array rope(
     const mx::array& x,
     int dims,

@@ -48,6 +48,41 @@ mx::array attention(
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s = {});
 
+// mlx-lm's swiglu: silu(gate) * x, for inputs of one shape.
+mx::array swiglu(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s = {});
+
+// log(sum(exp(x))) over the last axis, kept (size 1).
+mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s = {});
+
+// An elementwise or last-axis operation of one or two float32 inputs with no
+// parameters: SwiGLU, LogSumExp.
+class CpuRowOp : public mx::UnaryPrimitive {
+ public:
+  enum class Op { swiglu, logsumexp };
+
+  CpuRowOp(mx::Stream stream, Op op) : mx::UnaryPrimitive(stream), op_(op) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return op_ == Op::swiglu ? "CpuSwiGLU" : "CpuLogSumExp";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return op_ == static_cast<const CpuRowOp&>(other).op_;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+  // Gradients, for whatever differentiates through them (a loss on the CPU).
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+
+ private:
+  Op op_;
+};
+
 class CpuNorm : public mx::UnaryPrimitive {
  public:
   // rms: RMS norm, else layer norm; inputs: x, then the weight and bias it has.

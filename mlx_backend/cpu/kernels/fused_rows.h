@@ -61,6 +61,10 @@ struct RowKernels {
   // v, their strides and dims as in rows[0]): a block of KEYS_BLOCK keys at a
   // time, read once for all the rows, with each row's softmax kept online.
   void (*attention_rows)(const AttentionRow* rows, int count, float* scratch);
+  // y = silu(g) * u, silu and exp as MLX's CPU kernels compute them.
+  void (*silu_mul)(const float* g, const float* u, float* y, int n);
+  // log(sum(exp(x))), from the row's largest value.
+  float (*log_sum_exp)(const float* x, int n);
 };
 
 RowKernels portable_rows();

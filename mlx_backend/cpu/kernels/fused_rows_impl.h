@@ -342,10 +342,61 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   }
 }
 
+// MLX's sigmoid (from exp(|g|), so that it never overflows) times g, times u.
+void silu_mul(const float* g, const float* u, float* y, int n) {
+  for (int i = 0; i < n; i++) {
+    float e = 1.0f / (1.0f + exp_lane(std::fabs(g[i])));
+    float sigmoid = g[i] < 0.0f ? e : 1.0f - e;
+    y[i] = (g[i] * sigmoid) * u[i];
+  }
+}
+
+float log_sum_exp(const float* x, int n) {
+  float top_lanes[LANES];
+  for (int l = 0; l < LANES; l++) {
+    top_lanes[l] = -std::numeric_limits<float>::infinity();
+  }
+  int i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; l++) {
+      top_lanes[l] = x[i + l] > top_lanes[l] ? x[i + l] : top_lanes[l];
+    }
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < LANES; l++) {
+    top = std::max(top, top_lanes[l]);
+  }
+  for (; i < n; i++) {
+    top = std::max(top, x[i]);
+  }
+  if (std::isinf(top)) {
+    return top;
+  }
+  float acc[LANES] = {};
+  i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; l++) {
+      acc[l] += exp_lane(x[i + l] - top);
+    }
+  }
+  float tail = 0.0f;
+  for (; i < n; i++) {
+    tail += exp_lane(x[i] - top);
+  }
+  return std::log(lanes_total(acc) + tail) + top;
+}
+
 } // namespace
 
 RowKernels rows() {
-  return {FUSED_ISA_NAME, rms_norm, layer_norm, rope, attention_rows};
+  return {
+      FUSED_ISA_NAME,
+      rms_norm,
+      layer_norm,
+      rope,
+      attention_rows,
+      silu_mul,
+      log_sum_exp};
 }
 
 } // namespace qmm::fused::FUSED_ISA
