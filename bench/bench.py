@@ -46,7 +46,8 @@
    kernel: decode at 1, 8 and 16 streams, prefill, peak memory, the bytes read per
    step; and a random 1B-class 4-bit llama on the kernels against MLX's.
 13. CPU decode step (bench/cpu_step.py; Linux CPU): the fused primitives (norms,
-   RoPE and attention as one node each, sibling projections as one kernel call)
+   RoPE, attention, SwiGLU and logsumexp as one node each, sibling projections as
+   one kernel call)
    on and off: graph nodes, host and evaluation ms of a step, decode tok/s
    in-process, and on two servers 1, 8 and 16 streams and prefill (1000 and 4096
    tokens); llama.cpp on the same GGUF and threads as a column (built once from

@@ -1,6 +1,6 @@
 """Part 13 of ``make bench`` (Linux CPU): the decode step's anatomy with the fused
-primitives (norms, RoPE and attention as one node each, sibling projections as one
-kernel call) on and off, side by side: graph nodes per step, host and evaluation
+primitives (norms, RoPE, attention, SwiGLU and logsumexp as one node each, sibling
+projections as one kernel call) on and off, side by side: graph nodes per step, host and evaluation
 milliseconds of one synchronous step, in-process decode tok/s; then two servers,
 one with ``MLX_BACKEND_CPU_FAST_OPS=off``, in alternating rounds: 1-stream decode,
 8 and 16 streams, and prefill of a 1000- and a 4096-token prompt, with llama.cpp

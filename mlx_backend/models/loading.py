@@ -391,7 +391,7 @@ def prepare_model(
         isa, why = route_fast_ops()
         on = f"the fused kernels ({isa})" if isa else f"MLX's operations ({why})"
         compute_path = compute_path.extended(
-            f"norms, RoPE and attention on {on}", fast_ops_isa=isa
+            f"norms, RoPE, attention, SwiGLU and logsumexp on {on}", fast_ops_isa=isa
         )
     loaded = dataclasses.replace(loaded, model=model)
     if options.prefill_step_size is None:

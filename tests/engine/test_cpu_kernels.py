@@ -110,7 +110,7 @@ def test_the_engine_serves_on_the_kernels_and_reports_them():
         assert "SIMD kernels" in path.description and "threads" in path.description
         assert stats["cpu_fast_ops"] == 1 and path.fast_ops_isa
         assert (
-            f"attention on the fused kernels ({path.fast_ops_isa})" in path.description
+            f"logsumexp on the fused kernels ({path.fast_ops_isa})" in path.description
         )
     finally:
         kernels.shutdown()

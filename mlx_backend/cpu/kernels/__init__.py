@@ -22,8 +22,8 @@ from mlx_backend.switches import switched_off
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "MLX_BACKEND_CPU_KERNELS"
-# Off: MLX's graphs for norms, RoPE and attention (fast_ops.py), and one kernel
-# call per projection (no sibling calls).
+# Off: MLX's graphs for norms, RoPE, attention, SwiGLU and logsumexp (fast_ops.py),
+# and one kernel call per projection (no sibling calls).
 FAST_OPS_ENV = "MLX_BACKEND_CPU_FAST_OPS"
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
