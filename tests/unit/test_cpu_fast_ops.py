@@ -348,11 +348,13 @@ def test_routed_logsumexp_keeps_mlx_shapes(qmm):
     fast_ops.route_fast_ops()
     x = normal((1, 100), 37)
     cases = [{}, {"keepdims": True}, {"axis": -1}, {"axis": [1], "keepdims": True}]
+    cases += [{"axis": (-1,)}]
     for kw in cases + [{"axis": 0}]:
         y = mx.logsumexp(x, **kw)
         expected = MLX_LOGSUMEXP(x, **kw)
         assert_close(y, expected, mx.abs(expected) * 100 * 2.0**-24)
-    # Over all axes of a matrix: MLX's own.
+    # A scalar, and over all axes of a matrix: MLX's own.
+    assert mx.logsumexp(mx.array(2.0)).item() == 2.0
     wide = normal((3, 5), 38)
     assert mx.logsumexp(wide).shape == () and mx.allclose(
         mx.logsumexp(wide), MLX_LOGSUMEXP(wide)

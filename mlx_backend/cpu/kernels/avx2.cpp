@@ -177,6 +177,17 @@ inline void store_rows(
   }
 }
 
+// Field i of each of 8 words (a vector of 8 words holds 8 weights a word for
+// 4 bits, 4 for 8) as floats: a shift and a mask, neither where not needed.
+template <int BITS>
+inline __m256 word_field(__m256i words, int i) {
+  __m256i field = i == 0 ? words : _mm256_srli_epi32(words, i * BITS);
+  if (i != 32 / BITS - 1) {
+    field = _mm256_and_si256(field, _mm256_set1_epi32((1 << BITS) - 1));
+  }
+  return _mm256_cvtepi32_ps(field);
+}
+
 // The last 4 words of a 4-bit row whose length is an odd number of 32s, against
 // x from column k0: their scaled sum, in the low half.
 template <int BITS, ScaleType ST>
@@ -214,7 +225,6 @@ inline void rows_tile(
   // Group sizes are powers of two (simd_shape): a shift, not a division, per block.
   const int shift = __builtin_ctz(p.group_size);
   const uint32_t* w = p.w + std::size_t(n) * (p.K / PER_WORD);
-  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const float* x[ROWS];
   __m256 total[ROWS];
   for (int r = 0; r < ROWS; r++) {
@@ -232,11 +242,7 @@ inline void rows_tile(
     }
 #pragma GCC unroll 8
     for (int i = 0; i < PER_WORD; i++) {
-      __m256i field = i == 0 ? words : _mm256_srli_epi32(words, i * BITS);
-      if (i != PER_WORD - 1) {
-        field = _mm256_and_si256(field, mask);
-      }
-      __m256 q = _mm256_cvtepi32_ps(field);
+      __m256 q = word_field<BITS>(words, i);
       for (int r = 0; r < ROWS; r++) {
         acc[r][i & 1] =
             _mm256_fmadd_ps(q, _mm256_loadu_ps(x[r] + k0 + 8 * i), acc[r][i & 1]);
@@ -272,7 +278,6 @@ inline void rows_pair(
   const int shift = __builtin_ctz(p.group_size);
   const uint32_t* w0 = p.w + std::size_t(n) * (p.K / PER_WORD);
   const uint32_t* w1 = w0 + p.K / PER_WORD;
-  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const float* x = p.xl + std::size_t(m) * p.K;
   __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   int k0 = 0;
@@ -286,15 +291,9 @@ inline void rows_pair(
     acc[0][0] = acc[0][1] = acc[1][0] = acc[1][1] = _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int i = 0; i < PER_WORD; i++) {
-      __m256i f0 = i == 0 ? words0 : _mm256_srli_epi32(words0, i * BITS);
-      __m256i f1 = i == 0 ? words1 : _mm256_srli_epi32(words1, i * BITS);
-      if (i != PER_WORD - 1) {
-        f0 = _mm256_and_si256(f0, mask);
-        f1 = _mm256_and_si256(f1, mask);
-      }
       __m256 xv = _mm256_loadu_ps(x + k0 + 8 * i);
-      acc[0][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f0), xv, acc[0][i & 1]);
-      acc[1][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f1), xv, acc[1][i & 1]);
+      acc[0][i & 1] = _mm256_fmadd_ps(word_field<BITS>(words0, i), xv, acc[0][i & 1]);
+      acc[1][i & 1] = _mm256_fmadd_ps(word_field<BITS>(words1, i), xv, acc[1][i & 1]);
     }
     for (int j = 0; j < 2; j++) {
       __m256 scale = block_scales<BITS, ST>(scales + j * stride, k0, shift);
@@ -329,7 +328,6 @@ inline void rows_tile_wide(
   constexpr int BLOCK = 8 * PER_WORD;
   const int shift = __builtin_ctz(p.group_size);
   const uint32_t* w = p.w + std::size_t(n) * (p.K / PER_WORD) + k0 / PER_WORD;
-  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const float* x[WIDE];
   for (int r = 0; r < WIDE; r++) {
     x[r] = p.xl + std::size_t(m + r) * p.K;
@@ -340,11 +338,7 @@ inline void rows_tile_wide(
     __m256 scale = block_scales<BITS, ST>(scales, k0, shift);
 #pragma GCC unroll 8
     for (int i = 0; i < PER_WORD; i++) {
-      __m256i field = i == 0 ? words : _mm256_srli_epi32(words, i * BITS);
-      if (i != PER_WORD - 1) {
-        field = _mm256_and_si256(field, mask);
-      }
-      __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(field), scale);
+      __m256 q = _mm256_mul_ps(word_field<BITS>(words, i), scale);
       for (int r = 0; r < WIDE; r++) {
         total[r] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x[r] + k0 + 8 * i), total[r]);
       }
@@ -482,7 +476,7 @@ inline void rows_tile_int16(
   store_rows<ROWS>(p, n, m, total, biases);
 }
 
-enum class Activations { float32, int16, int8 };
+enum class Activations { int16, int8 };
 
 // Float32 x against weight rows n0..n1, the scales and biases read as stored: in
 // tiles of WIDE_ROWS rows of x while that many are left, then of up to 4. Wide

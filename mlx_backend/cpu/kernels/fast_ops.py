@@ -111,11 +111,12 @@ def swiglu(gate, x):
 
 def logsumexp(a, axis=None, keepdims=False, *, stream=None):
     k = _routing.kernels
-    last = a.ndim - 1
-    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
     # Over the last axis, or over all of them where only the last is longer than 1.
-    over_last = axes in ([-1], [last]) or (axis is None and a.size == a.shape[-1])
-    if k is None or stream is not None or a.ndim == 0 or a.size == 0 or not over_last:
+    over_last = a.ndim > 0 and (
+        axes in ([-1], [a.ndim - 1]) or (axis is None and a.size == a.shape[-1])
+    )
+    if k is None or stream is not None or a.size == 0 or not over_last:
         return _MLX_LOGSUMEXP(a, axis, keepdims, stream=stream)
     y = k.logsumexp(a)
     if axis is None:
