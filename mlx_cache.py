@@ -2,7 +2,8 @@
 
 Chat turns and agent loops resend the same long prefix, so the engine keeps the KV
 caches of recent sequences and a new request only prefills what is new. The trie
-search is mlx-lm's ``PromptTrie``; this module adds reference counts, extraction,
+search is mlx-lm's ``PromptTrie`` (``LinearPromptTrie``: its search for a longer
+entry in linear time); this module adds reference counts, extraction,
 LRU eviction by entry count and by bytes, and a lock.
 
 Thread ownership: the MLX arrays inside entries are created, trimmed, copied and
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import PromptTrie
+from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from mlx_backend.caches.kinds import cache_length
 
@@ -48,6 +49,50 @@ def cache_nbytes(prompt_cache: Sequence[Any]) -> int:
     return sum(getattr(layer, "nbytes", 0) for layer in prompt_cache)
 
 
+class LinearPromptTrie(PromptTrie):
+    """mlx-lm's prompt trie, whose search finds the shortest longer entry in
+    linear time: mlx-lm 0.32 copies the path at every node below where the
+    prompt parts from an entry, quadratic in the entry's remaining length (10 ms
+    for one 3,800-token entry, at every admission and prefix lookup)."""
+
+    def search(self, model: Hashable, tokens: list[int]) -> PromptTrieResult:
+        current = self._trie.get(model)
+        if current is None:
+            return PromptTrieResult(model, None, None, None, 0)
+        if not tokens and "__value__" in current:
+            return PromptTrieResult(model, [], None, None, 0)
+        last, index = -1, 0
+        while index < len(tokens) and tokens[index] in current:
+            current = current[tokens[index]]
+            if "__value__" in current:
+                last = index
+            index += 1
+        if last == len(tokens) - 1 >= 0:
+            return PromptTrieResult(model, tokens, None, None, 0)
+        shorter = tokens[: last + 1] if last > 0 else None
+        longer = None
+        if index > 0:
+            longer = tokens[:index] + _shortest_completion(current)
+        return PromptTrieResult(model, None, shorter, longer, index)
+
+
+def _shortest_completion(node: dict) -> list:
+    """The tokens from ``node`` to the nearest entry below it, breadth first."""
+    level = [(node, None)]
+    while level:
+        below = []
+        for current, path in level:
+            if "__value__" in current:
+                tokens = []
+                while path is not None:
+                    token, path = path
+                    tokens.append(token)
+                return tokens[::-1]
+            below += [(child, (t, path)) for t, child in current.items()]
+        level = below
+    return []
+
+
 class ThreadSafeLRUPromptCache:
     """KV caches keyed by ``(model_key, token ids)``, reused by prefix.
 
@@ -60,6 +105,10 @@ class ThreadSafeLRUPromptCache:
           is not kept at all.
         size_fn: ``size_fn(prompt_cache) -> int``, the bytes an entry counts
           (default ``cache_nbytes``).
+        copy_prefix_fn: ``copy_prefix_fn(prompt_cache, n)``, a copy holding the
+          first ``n`` tokens only, or None where it can't make one; a longer
+          entry that serves a shorter prompt is otherwise copied whole and
+          trimmed.
     """
 
     def __init__(
@@ -69,13 +118,15 @@ class ThreadSafeLRUPromptCache:
         trim_fn: Callable[[list, int], Any] | None = None,
         max_bytes: int = 1 << 62,
         size_fn: Callable[[list], int] = cache_nbytes,
+        copy_prefix_fn: Callable[[list, int], list | None] | None = None,
     ):
         self.max_size = max_size
         self.max_bytes = max_bytes
         self._size = size_fn
         self._can_trim = can_trim_fn
         self._trim = trim_fn
-        self._trie = PromptTrie()
+        self._copy_prefix = copy_prefix_fn
+        self._trie = LinearPromptTrie()
         self._lru: OrderedDict[tuple[Hashable, tuple[int, ...]], _Entry] = OrderedDict()
         self._nbytes = 0
         self._lock = threading.Lock()
@@ -120,8 +171,10 @@ class ThreadSafeLRUPromptCache:
                 entry = self._lru[key]
                 if self._trimmable(entry.prompt_cache):
                     self._lru.move_to_end(key)
-                    cache = copy.deepcopy(entry.prompt_cache)
-                    self._trim(cache, len(found.longer) - found.common_prefix)
+                    cache = self._prefix_of(entry.prompt_cache, found.common_prefix)
+                    if cache is None:
+                        cache = copy.deepcopy(entry.prompt_cache)
+                        self._trim(cache, len(found.longer) - found.common_prefix)
                     return cache, tokens[found.common_prefix :]
             if shorter:
                 return self._take(model_key, found.shorter), tokens[shorter:]
@@ -240,12 +293,17 @@ class ThreadSafeLRUPromptCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._trie = PromptTrie()
+            self._trie = LinearPromptTrie()
             self._lru.clear()
             self._nbytes = 0
 
     def _trimmable(self, prompt_cache: list) -> bool:
         return self._can_trim is not None and self._can_trim(prompt_cache)
+
+    def _prefix_of(self, prompt_cache: list, n: int) -> list | None:
+        # A long entry's whole copy would cost a step's time to serve a short
+        # shared prefix (a 4000-token entry of the embedded model: 184 MB).
+        return self._copy_prefix(prompt_cache, n) if self._copy_prefix else None
 
     def _take(self, model_key: Hashable, tokens: Sequence[int]) -> list:
         key = (model_key, tuple(tokens))

@@ -5,9 +5,15 @@ import threading
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    PromptTrie,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
-from mlx_cache import ThreadSafeLRUPromptCache, cache_nbytes
+from mlx_backend.caches.kinds import copy_prefix
+from mlx_cache import LinearPromptTrie, ThreadSafeLRUPromptCache, cache_nbytes
 
 pytestmark = pytest.mark.unit
 
@@ -249,6 +255,33 @@ def test_with_mlx_lm_kv_caches():
     assert entry[0].state[0].flatten().tolist()[:5] == [0, 1, 2, 3, 4]
 
 
+def test_a_long_entry_serves_a_short_prefix_with_a_copy_of_the_prefix_only():
+    entry = []
+    for layer in range(2):
+        kv = KVCache()
+        keys = mx.arange(layer, layer + 300, dtype=mx.float32).reshape(1, 1, 300, 1)
+        kv.update_and_fetch(keys, keys * 2)
+        entry.append(kv)
+    cache = ThreadSafeLRUPromptCache(
+        can_trim_fn=can_trim_prompt_cache,
+        trim_fn=trim_prompt_cache,
+        copy_prefix_fn=copy_prefix,
+    )
+    cache.insert_cache("m", list(range(300)), entry)
+    found, rest = cache.fetch_nearest_cache("m", [0, 1, 2, 99])
+    assert rest == [99] and [layer.offset for layer in found] == [3, 3]
+    # Three tokens' keys and values, not the entry's 300 (and its spare room).
+    assert cache_nbytes(found) == 2 * 2 * 3 * 4
+    assert found[1].state[0].flatten().tolist() == [1, 2, 3]
+    assert found[1].state[1].flatten().tolist() == [2, 4, 6]
+    keys, _ = found[0].update_and_fetch(
+        mx.full((1, 1, 1, 1), 70.0), mx.full((1, 1, 1, 1), 7.0)
+    )
+    assert keys.flatten().tolist() == [0, 1, 2, 70]
+    assert entry[0].offset == 300
+    assert entry[0].state[0].flatten().tolist()[:4] == [0, 1, 2, 3]
+
+
 def test_threads_fetch_and_insert_without_losing_data():
     cache = make_cache(max_size=16, max_bytes=4000)
     errors: list[str] = []
@@ -349,3 +382,30 @@ def test_entries_count_the_bytes_size_fn_says():
     assert cache.nbytes == 120
     cache.insert_cache("m", [7, 8, 9], fake([7, 8, 9], layers=1))
     assert len(cache) == 1 and cache.nbytes == 120
+
+
+def test_the_linear_trie_finds_what_mlx_lm_s_trie_finds():
+    rng = random.Random(7)
+    for _ in range(200):
+        ours, theirs = LinearPromptTrie(), PromptTrie()
+        entries = [
+            [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+            for _ in range(rng.randrange(1, 6))
+        ]
+        for tokens in entries:
+            ours.add("m", tokens, tuple(tokens))
+            theirs.add("m", tokens, tuple(tokens))
+        for _ in range(10):
+            prompt = [rng.randrange(4) for _ in range(rng.randrange(0, 12))]
+            found, expected = ours.search("m", prompt), theirs.search("m", prompt)
+            assert (found.exact, found.shorter) == (expected.exact, expected.shorter)
+            assert found.common_prefix == expected.common_prefix
+            # Of equally short longer entries, either serves.
+            assert (found.longer is None) == (expected.longer is None)
+            if found.longer is not None:
+                assert len(found.longer) == len(expected.longer)
+                assert (
+                    found.longer[: found.common_prefix] == prompt[: found.common_prefix]
+                )
+                assert tuple(found.longer) in map(tuple, entries)
+        assert ours.search("other", [1]) == theirs.search("other", [1])

@@ -37,8 +37,10 @@
    decode tok/s on a copy workload with speculation auto and off, and its
    acceptance; speculation with rollback in-process (bench/rollback.py).
 11. Admission under load (bench/admission.py), next to mlx_lm.server: a ~3800-token
-   prompt arriving while two streams decode (their longest inter-token gap, a short
-   request's TTFT, the long one's against its prefill alone); 32 concurrent long
+   prompt arriving while two streams decode, 5 runs (--admission-runs) judged by the
+   worst (the streams' longest gap and their inter-token time while it prefills
+   against theirs before it, a short request's TTFT, the long one's against its
+   prefill alone, the text against each request alone); 32 concurrent long
    prompts against a backend with a memory_budget (peak RSS, wall time, failures);
    aggregate tok/s at 8 and 16 streams.
 12. CPU kernels (bench/cpu_kernels.py; Linux CPU): the SIMD quantized-matmul kernels
@@ -73,7 +75,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import backend_pb2 as pb
-from bench.admission import FLOOD_TOKENS, bench_admission
+from bench.admission import FLOOD_TOKENS, LONG_RUNS, bench_admission
 from bench.batching import bench_batching
 from bench.chat_formats import bench_chat_formats
 from bench.cpu_kernels import bench_cpu_kernels
@@ -183,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distributed-tokens", type=int, default=32)
     parser.add_argument("--families-rounds", type=int, default=1)
     parser.add_argument("--admission-rounds", type=int, default=2)
+    parser.add_argument(
+        "--admission-runs",
+        type=int,
+        default=LONG_RUNS,
+        help="part 11's runs of the long-prompt scenario on the backend",
+    )
     parser.add_argument("--kernel-rounds", type=int, default=2)
     parser.add_argument("--step-rounds", type=int, default=3)
     parser.add_argument(
@@ -307,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.admission_rounds,
                 args.batch_tokens,
                 args.admission_flood_tokens,
+                args.admission_runs,
             )
             lines += [""] + part
     if 12 in parts and sys.platform == "linux":

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -47,6 +48,23 @@ def layer_kind(layer) -> str:
     if isinstance(layer, ArraysCache):
         return "state"
     return "other"
+
+
+def copy_prefix(cache: Sequence, n: int) -> list | None:
+    """A copy of a per-layer cache of plain ``KVCache`` layers holding only their
+    first ``n`` tokens; None for any other cache."""
+    if any(type(layer) is not KVCache for layer in cache):
+        return None
+    copies = []
+    for layer in cache:
+        copy = KVCache()
+        copy.state = (
+            mx.contiguous(layer.keys[..., :n, :]),
+            mx.contiguous(layer.values[..., :n, :]),
+            n,
+        )
+        copies.append(copy)
+    return copies
 
 
 def cache_length(cache: Sequence) -> int | None:

@@ -83,6 +83,8 @@ class NewSequence:
     snapshots: tuple[int, ...] = ()
     # Proposed tokens a step may verify, where the decoder speculates (0: none).
     draft_tokens: int = 0
+    # It was decoding elsewhere and comes back: its prefill is a decode step's work.
+    resumes: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class Decoder(ABC):
     speculates = False
     draft_proposed = 0
     draft_accepted = 0
+    # Prompt tokens the step budget gave the last step it bounded.
+    step_token_budget = 0
 
     @abstractmethod
     def add(self, sequence: NewSequence) -> int:

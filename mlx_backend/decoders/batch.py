@@ -6,7 +6,8 @@ import time
 from collections import deque
 
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
 
 from mlx_backend.cpu.pacing import pace_step
 from mlx_backend.decoders.base import (
@@ -18,7 +19,12 @@ from mlx_backend.decoders.base import (
     StepResult,
     thread_stream,
 )
-from mlx_backend.decoders.step_budget import NO_STEP_BUDGET, DepthScale, StepBudget
+from mlx_backend.decoders.step_budget import (
+    NO_STEP_BUDGET,
+    SHORT_PROMPT_TOKENS,
+    PrefillPacer,
+    StepBudget,
+)
 from mlx_utils import Scored, gather_logprobs
 from python_utils import LoadOptions
 
@@ -47,13 +53,15 @@ class BatchDecoder(Decoder):
         # Each row's prompt prefixes still to snapshot, in prefill order.
         self._snapshots: dict[int, list[tuple[int, ...]]] = {}
         self._pace = pace
-        self.budget = budget
-        self._depth = DepthScale(budget)
+        self.pacer = PrefillPacer(budget, options.prefill_step_size)
+        # Sequences back from decoding elsewhere (speculation), until they decode
+        # here: their one-token prefill is a decode step's work.
+        self._resuming: set[int] = set()
         self._batch = self._make_batch()
 
     def _make_batch(self) -> BatchGenerator:
         options = self._options
-        return BatchGenerator(
+        batch = BatchGenerator(
             self._model,
             completion_batch_size=options.max_batch_size,
             # BatchGenerator raises its decode limit to the prefill batch size.
@@ -61,6 +69,10 @@ class BatchDecoder(Decoder):
             prefill_step_size=options.prefill_step_size,
             stream=thread_stream(),
         )
+        batch._prompt_batch = SharingPromptBatch.empty(
+            self._model, batch.sampler, options.prefill_step_size
+        )
+        return batch
 
     def add(self, sequence: NewSequence) -> int:
         processors = list(sequence.processors)
@@ -84,6 +96,8 @@ class BatchDecoder(Decoder):
             logits_processors=[processors],
         )
         self._rows[uid] = sequence.logprobs
+        if sequence.resumes:
+            self._resuming.add(uid)
         ends = [reused + cut for cut in cuts]
         if len(rest) > 1 and len(prompt) - 1 in sequence.snapshots:
             ends.append(len(prompt) - 1)
@@ -92,7 +106,9 @@ class BatchDecoder(Decoder):
         return uid
 
     def step(self) -> list[StepResult]:
-        budgeted = self._plan_prefill()
+        decoding = self._plan_prefill()
+        counters = self._batch._counters
+        prefilled = counters.prompt_tokens
         start = time.perf_counter()
         try:
             prompt_responses, responses = self._batch.next()
@@ -105,9 +121,13 @@ class BatchDecoder(Decoder):
             ]
             self.reset()
             return failed
-        if budgeted:
-            # The prefill's evaluation waits for the decode pass: the whole step.
-            self._depth.observe(time.perf_counter() - start)
+        # The prefill's evaluation waits for the decode pass: the whole step.
+        self.pacer.observe(
+            time.perf_counter() - start,
+            decoding,
+            counters.prompt_tokens - prefilled,
+            joined=any(r.end_of_prompt for r in prompt_responses),
+        )
         snapshots = self._take_snapshots(prompt_responses)
         responses = [r for r in responses if r.uid in self._rows]
         if responses:
@@ -139,25 +159,44 @@ class BatchDecoder(Decoder):
         ]
         return results
 
-    def _plan_prefill(self) -> bool:
+    def _plan_prefill(self) -> int:
         """This step's prefill: the shortest waiting prompts join it first, and
-        while sequences decode its chunks keep within the step token budget
-        (then True)."""
+        while sequences decode its chunks keep within the step budget. The
+        sequences decoding."""
         batch = self._batch
         waiting = batch._unprocessed_sequences
         if len(waiting) > 1:
             # A one-line request must not wait for a slot behind long prompts.
-            batch._unprocessed_sequences = deque(sorted(waiting, key=_prompt_left))
-        prefilling = min(
-            batch.prefill_batch_size, len(batch._prompt_batch) + len(waiting)
-        )
-        decoding = len(batch._generation_batch)
-        if not prefilling:
-            self._depth.reset()
-        batch.prefill_step_size = self.budget.chunk(
-            decoding, prefilling, self._options.prefill_step_size, self._depth.value
-        )
-        return self.budget.applies(decoding, prefilling)
+            batch._unprocessed_sequences = waiting = deque(
+                sorted(waiting, key=_prompt_left)
+            )
+        self._resuming -= set(batch._generation_batch.uids)
+        decoding = len(batch._generation_batch) + len(self._resuming)
+        # The prompts this step may prefill, and the tokens each has left.
+        rows = [
+            (uid, sum(map(len, segments)))
+            for uid, (segments, *_) in zip(
+                batch._prompt_batch.uids, batch._currently_processing
+            )
+        ]
+        rows += [(s[0], _prompt_left(s)) for s in waiting]
+        rows = rows[: batch.prefill_batch_size]
+        prompts = [left for uid, left in rows if uid not in self._resuming]
+        short = any(left <= SHORT_PROMPT_TOKENS for left in prompts)
+        chunk = self.pacer.chunk(decoding, len(prompts), short)
+        if decoding and any(left == 1 for _, left in rows):
+            # A sequence whose prefill ended starts decoding with a pass of its
+            # own: this step carries no prefill beside it.
+            chunk = 0 if self.pacer.bounds else chunk
+        # Resuming sequences run their kept tokens again (rollback) at once; the
+        # batch splits their last token off itself.
+        resuming = [left - 1 for uid, left in rows if uid in self._resuming]
+        batch.prefill_step_size = max([chunk, *resuming])
+        return decoding
+
+    @property
+    def step_token_budget(self) -> int:
+        return self.pacer.tokens
 
     def kv_nbytes(self) -> int:
         return self._batch.prompt_cache_nbytes
@@ -194,6 +233,7 @@ class BatchDecoder(Decoder):
 
     def remove(self, key: int, keep_state: bool = True) -> KVState | None:
         self._snapshots.pop(key, None)
+        self._resuming.discard(key)
         if key not in self._rows:
             return None
         del self._rows[key]
@@ -223,10 +263,31 @@ class BatchDecoder(Decoder):
     def _close_batch(self) -> None:
         self._rows.clear()
         self._snapshots.clear()
+        self._resuming.clear()
         try:
             self._batch.close()
         except Exception:
             logger.exception("closing the batch generator failed")
+
+
+class SharingPromptBatch(PromptProcessingBatch):
+    """mlx-lm's prompt batch, whose split shares the KV arrays it filters.
+
+    mlx-lm 0.32 deep-copies the whole batch's KV cache before splitting off the
+    prompts that end (4,000 tokens of the embedded model: 184 MB, in the step
+    where a long prompt joins the running streams); filtering already copies
+    the rows each side keeps."""
+
+    def _copy(self):
+        if not all(type(c) is BatchKVCache for c in self.prompt_cache):
+            return super()._copy()
+        caches, self.prompt_cache = self.prompt_cache, []
+        try:
+            new_batch = super()._copy()
+        finally:
+            self.prompt_cache = caches
+        new_batch.prompt_cache = [copy.copy(c) for c in caches]
+        return new_batch
 
 
 def _prompt_left(sequence) -> int:

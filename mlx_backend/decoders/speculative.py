@@ -270,6 +270,10 @@ class SpeculativeDecoder(Decoder):
     def batch_tokens(self) -> int:
         return self._inner.batch_tokens + self._lone_tokens
 
+    @property
+    def step_token_budget(self) -> int:
+        return self._inner.step_token_budget
+
     def kv_nbytes(self) -> int:
         lone = self._rows[self._lone].kv_cache if self._lone is not None else None
         return self._inner.kv_nbytes() + cache_nbytes(lone or [])
@@ -414,6 +418,7 @@ class SpeculativeDecoder(Decoder):
                 kv_cache=row.kv_cache,
                 max_tokens=sequence.max_tokens - row.generated,
                 snapshots=(),
+                resumes=True,
             )
         )
         self._by_inner[row.inner] = self._lone

@@ -1,16 +1,21 @@
-"""The per-step token budget, measured on the loaded model.
+"""The step budget: how much prefill a step carries while sequences decode.
 
-While sequences decode, each batched step carries their decode tokens and, within
-the budget, a chunk of the waiting prefill work, shared among the prompts being
-prefilled. A long prompt then holds the running streams back by about the same
-short time each step, and a short prompt is prefilled beside it instead of
-waiting for it to end. With nothing decoding, prompts are prefilled in chunks of
-``prefill_step_size``, as fast as the model goes.
+While sequences decode, a batched step carries their decode tokens and, within the
+budget, a chunk of the waiting prefill work, shared among the prompts being
+prefilled, so that a short prompt is prefilled beside a long one instead of
+waiting for it to end. The budget is time, measured as steps run (``PrefillPacer``):
+a step that carries prefill takes at most ``STEP_MULTIPLE`` decode steps, and over
+the steps of a prefill the running streams keep ``1 / MEAN_MULTIPLE`` of their
+speed. Deep in a long prompt each token costs more (its attention reads the whole
+context): the chunks shrink, down to one token where one costs more than a step
+allows. With nothing decoding, prompts are prefilled
+in chunks of ``prefill_step_size``, as fast as the model goes.
 """
 
 import logging
-import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,13 +26,17 @@ from python_utils import LoadOptions
 
 logger = logging.getLogger(__name__)
 
-# A budgeted step spends this share of its time on prefill: a long prompt
-# prefills at about this share of its speed alone while streams decode, and a
-# step takes a few plain decode steps' time.
-PREFILL_SHARE = 2 / 3
-# Prompt tokens per prefilling row and step at least, however many rows or how
-# deep the context.
-MIN_CHUNK = 16
+# A step that carries prefill takes at most this many decode steps (where one
+# prompt token's pass fits), and the steps of a prefill this many on average.
+STEP_MULTIPLE = 2.5
+MEAN_MULTIPLE = 1.6
+# A chunk one token longer than the last is tried while the last took less than
+# this share of a step's prefill time.
+PROBE_BELOW = 0.8
+# A prompt with at most this many tokens left prefills every step, on credit.
+SHORT_PROMPT_TOKENS = 64
+# Decode steps alone whose median is a decode step's time.
+DECODE_WINDOW = 9
 # The load-time measurement's chunks: the first warms up, the later ones give a
 # pass's fixed cost and a token's; the quickest of each size counts.
 MEASURE_CHUNKS = (16, 16, 64, 16, 64)
@@ -93,77 +102,131 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
 
 @dataclass(frozen=True)
 class StepBudget:
-    """Tokens a step carries while sequences decode (0: no budget), and why."""
+    """What bounds the prefill a step carries while sequences decode: the prompt
+    and decode tokens of the option ``step_token_budget`` (``tokens``), or time as
+    measured (``costs``: the load's measurement, the pacer's first estimate);
+    neither: whole chunks of ``prefill_step_size``."""
 
-    tokens: int
     reason: str
-    # What the measurement found, when there was one.
+    tokens: int = 0
     costs: StepCosts | None = None
 
+    @property
+    def timed(self) -> bool:
+        return not self.tokens and self.costs is not None
+
     def describe(self) -> str:
-        if not self.tokens:
-            return f"no step token budget ({self.reason})"
-        text = f"step token budget {self.tokens} ({self.reason}"
-        if self.costs is not None:
-            text += (
-                f": a decode step {self.costs.decode_s * 1e3:.1f} ms, a prefill "
-                f"pass {self.costs.pass_s * 1e3:.1f} ms plus "
-                f"{self.costs.token_s * 1e3:.2f} ms a token"
-            )
-        return text + ")"
-
-    def applies(self, decoding: int, prefilling: int) -> bool:
-        return bool(self.tokens and decoding and prefilling)
-
-    def chunk(
-        self, decoding: int, prefilling: int, step_size: int, scale: float = 1.0
-    ) -> int:
-        """Prompt tokens per prefilling row this step, with ``decoding``
-        sequences decoding and ``prefilling`` prompts being prefilled, and the
-        budget's prefill ``scale``d (``DepthScale``)."""
-        if not self.applies(decoding, prefilling):
-            return step_size
-        share = int((self.tokens - decoding) * scale) // prefilling
-        return min(step_size, max(MIN_CHUNK, share))
+        if self.tokens:
+            return f"step token budget {self.tokens} ({self.reason})"
+        if self.costs is None:
+            return f"no step budget ({self.reason})"
+        return (
+            f"step budget {STEP_MULTIPLE:g} decode steps at most, "
+            f"{MEAN_MULTIPLE:g} on average ({self.reason}: a decode step "
+            f"{self.costs.decode_s * 1e3:.1f} ms, a prefill pass "
+            f"{self.costs.pass_s * 1e3:.1f} ms plus "
+            f"{self.costs.token_s * 1e3:.2f} ms a token)"
+        )
 
 
 # Chunks of ``prefill_step_size`` whatever runs (a group, or a decoder built alone).
-NO_STEP_BUDGET = StepBudget(0, "none")
+NO_STEP_BUDGET = StepBudget("none")
 
 
-class DepthScale:
-    """Deep in a long context each prompt token costs more (attention reads the
-    whole context): the budget's chunks shrink until a budgeted step takes the
-    time it took at the start, measured step by step."""
-
-    def __init__(self, budget: StepBudget):
-        self.value = 1.0
-        costs = budget.costs
-        # A step's fixed time (a decode pass, a prefill pass), and its prefill's.
-        self._fixed = costs.decode_s + costs.pass_s if costs else 0.0
-        self._prefill = budget.tokens * costs.token_s if costs else 0.0
-
-    def observe(self, seconds: float) -> None:
-        """A budgeted step took ``seconds``: half a step towards the scale that
-        would have taken the budget's time (never above the budget)."""
-        if not self._prefill:
-            return
-        spent = max(seconds - self._fixed, self._prefill / 100)
-        self.value = min(1.0, max(0.01, self.value * math.sqrt(self._prefill / spent)))
-
-    def reset(self) -> None:
-        self.value = 1.0
-
-
-def choose_step_budget(option: int | None, step_size: int, costs: StepCosts | None):
-    """The budget ``step_token_budget`` sets (0: none), or as measured: the
-    tokens whose prefill takes ``PREFILL_SHARE`` of a step that also runs a
-    decode pass and a prefill pass's fixed cost."""
+def choose_step_budget(option: int | None, costs: StepCosts | None) -> StepBudget:
+    """The budget ``step_token_budget`` sets (0: none), or time as measured."""
     if option is not None:
-        return StepBudget(option, f"step_token_budget:{option}")
+        return StepBudget(f"step_token_budget:{option}", tokens=option)
     if costs is None:
-        return StepBudget(step_size, "not measured: prefill_step_size")
-    fixed = costs.decode_s + costs.pass_s
-    tokens = round(PREFILL_SHARE / (1 - PREFILL_SHARE) * fixed / costs.token_s)
-    tokens = min(step_size, max(MIN_CHUNK, tokens // 8 * 8))
-    return StepBudget(tokens, "measured", costs)
+        return StepBudget("not measured")
+    return StepBudget("measured", costs=costs)
+
+
+class PrefillPacer:
+    """Each step's prefill while sequences decode, from the steps it has seen.
+
+    A decode step's time is the median of the latest steps without prefill. A
+    prompt token's is learnt from each step with prefill (its time less a decode
+    step, over its prompt tokens, the pass's fixed cost included): up at once when
+    a step ran over, down by half the way; since a chunk's tokens share a pass's
+    fixed cost, a chunk a token longer is tried while the last left room. Every step credits prefill time, so
+    that steps take ``MEAN_MULTIPLE`` decode steps on average; once the credit
+    holds a whole step's worth (``STEP_MULTIPLE`` less one decode step) a step
+    spends it, on the tokens it buys, or on one token where one costs more. Few
+    larger chunks pay a forward pass's fixed cost less often than a small chunk
+    every step.
+    """
+
+    def __init__(self, budget: StepBudget, step_size: int):
+        self.budget = budget
+        self._step_size = step_size
+        costs = budget.costs
+        self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self._first_decode_s = costs.decode_s if costs else 0.0
+        # As the load measured a pass of one token: the first chunk is small.
+        self.token_s = (costs.pass_s + costs.token_s) if costs else 0.0
+        # Prefill seconds the steps have earned; None: no prefill under way.
+        self._credit: float | None = None
+        # The prompt tokens of the last step planned with a budget.
+        self.tokens = budget.tokens
+        # The last step with prefill: its prompt tokens and their seconds.
+        self._last = (0, 0.0)
+
+    @property
+    def decode_s(self) -> float:
+        if not self._decodes:
+            return self._first_decode_s
+        return statistics.median(self._decodes)
+
+    def chunk(self, decoding: int, prefilling: int, short: bool = False) -> int:
+        """Prompt tokens per prefilling row this step (0: none this step), with
+        ``decoding`` sequences decoding and ``prefilling`` prompts prefilling;
+        ``short``: one of them is a short prompt, prefilled every step on credit
+        (a one-line request must not wait for a long prompt's turns)."""
+        budget = self.budget
+        if not (decoding and prefilling and self.bounds):
+            self._credit = None
+            return self._step_size
+        if budget.tokens:
+            total = budget.tokens - decoding
+        else:
+            whole = (STEP_MULTIPLE - 1) * self.decode_s
+            # A prefill starts with a whole step's worth, and never banks more.
+            earned = (MEAN_MULTIPLE - 1) * self.decode_s
+            credit = whole if self._credit is None else self._credit + earned
+            self._credit = min(credit, whole)
+            if self._credit < whole * (1 - 1e-9) and not short:
+                return 0
+            total = max(1, int(whole / self.token_s))
+            last, spent = self._last
+            if total <= last and spent < PROBE_BELOW * whole:
+                # Tokens share a pass's fixed cost: one more may fit.
+                total = last + 1
+        self.tokens = max(total, prefilling)
+        return min(self._step_size, max(1, total // prefilling))
+
+    @property
+    def bounds(self) -> bool:
+        """Whether the budget bounds steps at all."""
+        return bool(self.budget.tokens or self.budget.timed)
+
+    def observe(
+        self, seconds: float, decoding: int, prompt_tokens: int, joined: bool = False
+    ) -> None:
+        """A step took ``seconds``, with ``decoding`` sequences decoding and
+        ``prompt_tokens`` prefilled; ``joined``: sequences started decoding in it
+        (each with a pass of its own)."""
+        if not decoding:
+            return
+        if not prompt_tokens:
+            if not joined:
+                self._decodes.append(seconds)
+            return
+        if not self.budget.timed:
+            return
+        spent = max(seconds - self.decode_s, 1e-6)
+        if self._credit is not None:
+            self._credit -= spent
+        self._last = (prompt_tokens, spent)
+        seen = spent / prompt_tokens
+        self.token_s = seen if seen > self.token_s else (self.token_s + seen) / 2

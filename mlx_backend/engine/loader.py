@@ -25,7 +25,6 @@ from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
 from mlx_backend.decoders.measured import measured_once
 from mlx_backend.decoders.step_budget import (
-    NO_STEP_BUDGET,
     StepBudget,
     StepCosts,
     choose_step_budget,
@@ -72,7 +71,6 @@ class ServedModel:
     store: PromptStore
     # What admission follows; None over a distributed group, which measures nothing.
     budget: MemoryBudget | None = None
-    step_budget: StepBudget = NO_STEP_BUDGET
 
 
 @dataclass(frozen=True)
@@ -186,9 +184,7 @@ def prepare(
             ("step costs", options.kv_bits, options.max_kv_size),
             partial(measure_step_costs, model, options),
         )
-    step_budget = choose_step_budget(
-        options.step_token_budget, options.prefill_step_size, costs
-    )
+    step_budget = choose_step_budget(options.step_token_budget, costs)
     logger.info("%s", step_budget.describe())
     info = replace(
         info, compute_path=info.compute_path.extended(step_budget.describe())
@@ -236,7 +232,7 @@ def prepare(
             decoder.capabilities.batching,
         )
     store.load_folder(options.max_cache_entries)
-    return ServedModel(model, info, decoder, store, budget, step_budget)
+    return ServedModel(model, info, decoder, store, budget)
 
 
 def _prefill_peak(costs: StepCosts, options: LoadOptions) -> int:

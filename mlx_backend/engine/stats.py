@@ -100,7 +100,7 @@ class Stats:
             draft_tokens_accepted=decoder.draft_accepted if decoder else 0,
             speculative_decoding=int(decoder.speculates) if decoder else 0,
             distributed_ranks=group.size,
-            step_token_budget=served.step_budget.tokens if served else 0,
+            step_token_budget=decoder.step_token_budget if decoder else 0,
             **admission,
         )
         self.published = EngineStats(state, active, memory)

@@ -1,16 +1,23 @@
 """The memory budget's arithmetic and sizes, and the step token budget's choice
 (engine/memory_budget.py, decoders/step_budget.py)."""
 
+import copy
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.proposers import NgramProposer
+from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.decoders.step_budget import (
-    MIN_CHUNK,
-    DepthScale,
+    MEAN_MULTIPLE,
+    NO_STEP_BUDGET,
+    STEP_MULTIPLE,
+    PrefillPacer,
     StepBudget,
     StepCosts,
     choose_step_budget,
@@ -25,7 +32,7 @@ from mlx_backend.errors import InvalidArgument, ResourceExhausted
 from mlx_utils import make_kv_cache
 from python_utils import LoadOptions, parse_options
 from tests.engine_helpers import new_sequence
-from tests.tiny_models import tiny_model
+from tests.tiny_models import FLAT, tiny_model
 
 
 def held_bytes(cache: list) -> int:
@@ -95,43 +102,92 @@ def costs(decode_ms: float, pass_ms: float, token_ms: float) -> StepCosts:
     return StepCosts(decode_ms / 1e3, pass_ms / 1e3, token_ms / 1e3, 0)
 
 
-def test_the_measured_budget_spends_two_thirds_of_a_step_on_prefill():
-    # (40 + 20) ms of fixed work, 1 ms a token: 120 tokens take two thirds.
-    chosen = choose_step_budget(None, 256, costs(40, 20, 1))
-    assert chosen.tokens == 120 and chosen.reason == "measured"
-    assert choose_step_budget(None, 256, costs(40, 20, 0.01)).tokens == 256
-    assert choose_step_budget(None, 256, costs(1, 0, 1)).tokens == MIN_CHUNK
-    assert choose_step_budget(48, 256, costs(40, 20, 1)).tokens == 48
-    assert choose_step_budget(None, 256, None).tokens == 256
+def test_the_budget_is_the_option_or_time_as_measured():
+    assert choose_step_budget(48, costs(40, 20, 1)).tokens == 48
+    measured = choose_step_budget(None, costs(40, 20, 1))
+    assert measured.timed and measured.reason == "measured"
+    assert "2.5 decode steps at most, 1.6 on average" in measured.describe()
+    assert not choose_step_budget(None, None).timed
+    assert not choose_step_budget(0, costs(40, 20, 1)).timed
 
 
-def test_chunks_share_the_budget_only_while_sequences_decode():
-    chosen = StepBudget(100, "test")
-    assert chosen.chunk(decoding=0, prefilling=3, step_size=256) == 256
-    assert chosen.chunk(decoding=4, prefilling=2, step_size=256) == 48
-    assert chosen.chunk(decoding=4, prefilling=8, step_size=256) == MIN_CHUNK
-    assert StepBudget(0, "off").chunk(4, 1, 256) == 256
-    assert StepBudget(1000, "test").chunk(4, 1, 256) == 256
+def test_a_set_budget_is_shared_only_while_sequences_decode():
+    pacer = PrefillPacer(StepBudget("test", tokens=100), 256)
+    assert pacer.chunk(decoding=0, prefilling=3) == 256
+    assert pacer.chunk(decoding=4, prefilling=2) == 48
+    # No floor: eight rows share what four decode rows leave.
+    assert pacer.chunk(decoding=4, prefilling=8) == 12
+    assert pacer.chunk(decoding=90, prefilling=20) == 1
+    assert PrefillPacer(NO_STEP_BUDGET, 256).chunk(4, 1) == 256
+    assert PrefillPacer(StepBudget("test", tokens=1000), 256).chunk(4, 1) == 256
 
 
-def test_chunks_shrink_while_steps_take_longer_than_the_budget_s_time():
-    # 60 ms of fixed work a step, and 120 tokens at 1 ms: 180 ms a step.
-    chosen = choose_step_budget(None, 256, costs(40, 20, 1))
-    depth = DepthScale(chosen)
-    depth.observe(0.060 + 0.480)  # each token costs 4 ms deep in the context
-    assert depth.value == pytest.approx(0.5)
-    depth.observe(0.060 + 0.240)
-    assert depth.value == pytest.approx(0.5 * 0.5**0.5)
-    assert chosen.chunk(1, 1, 256, depth.value) == int(119 * depth.value)
-    depth.observe(0.060 + 0.0012)
-    assert depth.value == 1.0
-    depth.observe(1.0)
-    depth.reset()
-    assert depth.value == 1.0
-    # A budget the option set has nothing to scale by.
-    fixed = DepthScale(StepBudget(64, "step_token_budget:64"))
-    fixed.observe(5.0)
-    assert fixed.value == 1.0
+def simulate(pacer: PrefillPacer, decode_s: float, cost, steps: int) -> list:
+    """``steps`` steps of one decoding row beside a prompt, where a chunk of n
+    tokens after ``done`` costs ``cost(done, n)`` seconds: (step s, tokens)."""
+    done, seen = 0, []
+    for _ in range(steps):
+        n = pacer.chunk(decoding=1, prefilling=1)
+        seconds = decode_s + (cost(done, n) if n else 0.0)
+        pacer.observe(seconds, 1, n)
+        done += n
+        seen.append((seconds, n))
+    return seen
+
+
+def test_steps_keep_their_time_deep_into_a_long_prompt():
+    """A pass costs 12 ms plus 2.6 ms a token, and its attention 1 ms a token per
+    1000 tokens of context for each token, as the embedded model's do on 2 cores:
+    the chunks shrink as the prompt deepens, each step keeps within its multiple
+    of a decode step (or one token's pass, where that is more), and the steps
+    average theirs."""
+    decode_s = 0.017
+    pacer = PrefillPacer(choose_step_budget(None, costs(17, 12, 2.6)), 256)
+
+    def cost(done: int, n: int) -> float:
+        return 0.012 + 0.0026 * n + 0.001 * (done / 1000) * (n + 12)
+
+    seen = simulate(pacer, decode_s, cost, 1500)
+    chunks = [n for _, n in seen if n]
+    assert max(chunks[:50]) > chunks[-1] == 1
+    done = 0
+    for seconds, n in seen:
+        bound = max(STEP_MULTIPLE * decode_s, decode_s + cost(done, 1))
+        assert seconds <= bound * 1.01
+        done += n
+    # Deep in the prompt one token's pass costs more than a step allows.
+    assert decode_s + cost(done, 1) > STEP_MULTIPLE * decode_s
+    assert sum(s for s, _ in seen) / len(seen) <= MEAN_MULTIPLE * decode_s * 1.02
+    # Prefill goes on, a token every few steps.
+    assert sum(n for _, n in seen[-100:]) >= 25
+
+
+def test_a_slow_step_holds_the_prefill_back_until_its_time_is_made_up():
+    decode_s = 0.020
+    pacer = PrefillPacer(choose_step_budget(None, costs(20, 16, 1)), 256)
+    # A prefill starts with a step's worth of credit (30 ms), and one token's
+    # pass as the load measured it (17 ms).
+    assert pacer.chunk(1, 1) == 1
+    pacer.observe(decode_s + 0.012, 1, 1)
+    # 18 ms left, 12 ms earned a step; 14.5 ms a token now.
+    assert pacer.chunk(1, 1) == 2
+    # That step took 200 ms more than a decode step: 170 ms to make up at 12 ms
+    # a step, and then one token at a time.
+    pacer.observe(decode_s + 0.200, 1, 2)
+    skipped = 0
+    while (n := pacer.chunk(1, 1)) == 0:
+        pacer.observe(decode_s, 1, 0)
+        skipped += 1
+    assert skipped == 16 and n == 1
+    # A short prompt goes at once, on credit.
+    pacer.observe(decode_s + 0.030, 1, 1)
+    assert pacer.chunk(1, 2) == 0
+    assert pacer.chunk(1, 2, short=True) == 1
+    pacer.observe(decode_s + 0.030, 1, 2)
+    # Room left: a token more; a pause between prefills banks nothing.
+    pacer.observe(decode_s + 0.004, 1, 1)
+    assert pacer.chunk(1, 0) == 256
+    assert pacer.chunk(1, 1) == 2
 
 
 def test_budget_options_parse_and_check():
@@ -151,7 +207,7 @@ def sequence(model, options, length: int, max_tokens: int) -> NewSequence:
 def test_the_shortest_waiting_prompt_takes_a_free_prefill_slot_first():
     model = tiny_model()
     options = LoadOptions(prefill_step_size=32, prefill_batch_size=1)
-    decoder = BatchDecoder(model, options, True, budget=StepBudget(40, "test"))
+    decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=40))
     first = decoder.add(sequence(model, options, 200, 4))
     decoder.step()
     later = decoder.add(sequence(model, options, 200, 4))
@@ -169,7 +225,7 @@ def test_the_shortest_waiting_prompt_takes_a_free_prefill_slot_first():
 def test_a_prefill_beside_decoding_rows_keeps_within_the_budget():
     model = tiny_model()
     options = LoadOptions(prefill_step_size=256)
-    decoder = BatchDecoder(model, options, True, budget=StepBudget(40, "test"))
+    decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=40))
     decoder.add(sequence(model, options, 8, 50))
     for _ in range(3):
         decoder.step()
@@ -177,3 +233,70 @@ def test_a_prefill_beside_decoding_rows_keeps_within_the_budget():
     decoder.step()
     # One row decodes, one prefills: 39 prompt tokens a step, not 256.
     assert decoder._batch.prefill_step_size == 39
+
+
+class EagerLookup(NgramProposer):
+    """Prompt lookup verified from the first decoded token on."""
+
+    cheap = False
+
+
+def test_a_sequence_back_from_speculation_counts_as_decoding():
+    """Issue 50's stalls of seconds: a sequence that speculated alone goes back to
+    the batch when a prompt arrives, and waits there as a one-token prompt; the
+    batch saw nothing decoding and prefilled a whole ``prefill_step_size`` chunk
+    of the new prompt in that step."""
+    model = tiny_model()
+    options = LoadOptions(prefill_step_size=256)
+    inner = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=8))
+    decoder = SpeculativeDecoder(inner, model, lambda: EagerLookup(1, 3), costs=FLAT)
+    # Every token occurs in the prompt: whatever comes, a proposal follows.
+    prompt = tuple(range(64)) * 2
+    stream = replace(sequence(model, options, 1, 200), prompt=prompt, rest=prompt)
+    decoder.add(replace(stream, draft_tokens=4))
+    for _ in range(20):
+        if decoder._lone is not None:
+            break
+        decoder.step()
+    assert decoder._lone is not None
+    counters = inner._batch._counters
+    decoder.add(sequence(model, options, 300, 4))
+    for step in range(4):
+        before = counters.prompt_tokens
+        tokens = [t for r in decoder.step() for t in r.tokens]
+        # Its first step back in the batch starts its pass there, alone; then one
+        # sequence decodes beside 7 prompt tokens a step, not 256.
+        assert counters.prompt_tokens - before == (7 if step else 0)
+        assert len(tokens) == (step > 0)
+
+
+def test_a_prompt_that_ends_leaves_the_batch_without_a_copy_of_every_row(
+    monkeypatch,
+):
+    """mlx-lm deep-copies the whole prompt batch's KV cache to split off the
+    prompts whose prefill ends; SharingPromptBatch shares it, and the text is the
+    same as each prompt's alone."""
+    model = tiny_model()
+    options = LoadOptions(prefill_step_size=16)
+
+    def texts(prompts: list) -> list:
+        decoder = BatchDecoder(model, options, True)
+        keys = [decoder.add(sequence(model, options, n, 6)) for n in prompts]
+        out = {key: [] for key in keys}
+        while any(len(t) < 6 for t in out.values()):
+            for result in decoder.step():
+                out[result.key] += result.tokens
+        return [out[key] for key in keys]
+
+    alone = [texts([n])[0] for n in (5, 40)]
+    copied = []
+    deepcopy = copy.deepcopy
+
+    def counting(x, *args):
+        if isinstance(x, list) and any(isinstance(c, BatchKVCache) for c in x):
+            copied.append(len(x))
+        return deepcopy(x, *args)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    assert texts([5, 40]) == alone
+    assert copied == []
