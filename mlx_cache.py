@@ -245,15 +245,20 @@ class ThreadSafeLRUPromptCache:
         tokens: Sequence[int],
         prompt_cache: list,
         holders: int = 1,
-    ) -> None:
+        evaluate: bool = True,
+    ) -> bool:
         """Keep a sequence's KV state: the tokens its layers hold (a cancelled
         prefill keeps whole chunks, so it can hold fewer than it was given; layers
-        of recurrent state alone hold all of ``tokens``), evaluated now, so that a
-        lazy slice never pins a whole batch's buffers."""
+        of recurrent state alone hold all of ``tokens``), evaluated now unless
+        not ``evaluate`` (then the caller does soon), so that a lazy slice never
+        pins a whole batch's buffers. Whether it was offered to the cache."""
         length = min(cache_length(prompt_cache) or len(tokens), len(tokens))
-        if length > 1:
+        if length <= 1:
+            return False
+        if evaluate:
             mx.eval([layer.state for layer in prompt_cache])
-            self.insert_cache(model_key, list(tokens[:length]), prompt_cache, holders)
+        self.insert_cache(model_key, list(tokens[:length]), prompt_cache, holders)
+        return True
 
     def cached_length(self, model_key: Hashable, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` a fetch would serve; takes nothing."""

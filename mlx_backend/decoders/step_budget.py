@@ -147,9 +147,10 @@ class PrefillPacer:
 
     A decode step's time is the median of the latest steps without prefill. A
     prompt token's is learnt from each step with prefill (its time less a decode
-    step, over its prompt tokens, the pass's fixed cost included): up at once when
-    a step ran over, down by half the way; since a chunk's tokens share a pass's
-    fixed cost, a chunk a token longer is tried while the last left room. Every step credits prefill time, so
+    step, over its prompt tokens, the pass's fixed cost included), from the
+    load's one-token pass at the start of each prefill: up at once when a step
+    ran over, down by half the way; since a chunk's tokens share a pass's fixed
+    cost, a chunk a token a row longer is tried while the last left room. Every step credits prefill time, so
     that steps take ``MEAN_MULTIPLE`` decode steps on average; once the credit
     holds a whole step's worth (``STEP_MULTIPLE`` less one decode step) a step
     spends it, on the tokens it buys, or on one token where one costs more. Few
@@ -163,8 +164,10 @@ class PrefillPacer:
         costs = budget.costs
         self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
         self._first_decode_s = costs.decode_s if costs else 0.0
-        # As the load measured a pass of one token: the first chunk is small.
-        self.token_s = (costs.pass_s + costs.token_s) if costs else 0.0
+        # As the load measured a pass of one token: a prefill's first chunk is
+        # small, whatever the last one's depth cost.
+        self._first_token_s = (costs.pass_s + costs.token_s) if costs else 0.0
+        self.token_s = self._first_token_s
         # Prefill seconds the steps have earned; None: no prefill under way.
         self._credit: float | None = None
         # The prompt tokens of the last step planned with a budget.
@@ -193,15 +196,17 @@ class PrefillPacer:
             whole = (STEP_MULTIPLE - 1) * self.decode_s
             # A prefill starts with a whole step's worth, and never banks more.
             earned = (MEAN_MULTIPLE - 1) * self.decode_s
-            credit = whole if self._credit is None else self._credit + earned
-            self._credit = min(credit, whole)
+            if self._credit is None:
+                self._credit, self.token_s = whole, self._first_token_s
+                self._last = (0, 0.0)
+            self._credit = min(self._credit + earned, whole)
             if self._credit < whole * (1 - 1e-9) and not short:
                 return 0
             total = max(1, int(whole / self.token_s))
             last, spent = self._last
             if total <= last and spent < PROBE_BELOW * whole:
-                # Tokens share a pass's fixed cost: one more may fit.
-                total = last + 1
+                # Tokens share a pass's fixed cost: one more a row may fit.
+                total = last + prefilling
         self.tokens = max(total, prefilling)
         return min(self._step_size, max(1, total // prefilling))
 

@@ -50,11 +50,13 @@ class LeaderPromptCache(ThreadSafeLRUPromptCache):
         super().__init__(**kwargs)
         self._lockstep = lockstep
 
-    def insert_state(self, model_key, tokens, prompt_cache, holders=1) -> None:
+    def insert_state(
+        self, model_key, tokens, prompt_cache, holders=1, evaluate=True
+    ) -> bool:
         ref = self._lockstep.ref(prompt_cache)
         if ref is not None:
             self._lockstep.record(Keep(ref, tuple(tokens), holders))
-        super().insert_state(model_key, tokens, prompt_cache, holders)
+        return super().insert_state(model_key, tokens, prompt_cache, holders, evaluate)
 
 
 class LeaderDecoder(Decoder):

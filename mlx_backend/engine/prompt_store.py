@@ -9,11 +9,14 @@ replays rank 0's inserts into it, so a hit on rank 0 is a hit on every rank.
 """
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -72,6 +75,8 @@ class PromptStore:
         self.files = files
         # Whether the cache changed since prompt_cache_dir was last written.
         self._changed = False
+        # Arrays of kept states still to evaluate (``keep(later=True)``).
+        self._unsettled: deque[mx.array] = deque()
 
     def fetch(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
         """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
@@ -82,12 +87,31 @@ class PromptStore:
         self._counts.prefilled += len(rest)
         return kv_cache, tuple(rest)
 
-    def keep(self, kv_cache: list, tokens, holders: int = 1) -> None:
-        """Keep a KV cache for the next request (or ``holders`` requests) to reuse."""
+    def keep(
+        self, kv_cache: list, tokens, holders: int = 1, later: bool = False
+    ) -> None:
+        """Keep a KV cache for the next request (or ``holders`` requests) to
+        reuse. ``later``: its copy out of a batch no sequence uses any more is
+        made a few layers a step (``settle``), not all in this one."""
         if self.kinds.reuse == NO_REUSE:
             return
-        self.cache.insert_state(self._load_id, tokens, kv_cache, holders)
+        if (
+            self.cache.insert_state(
+                self._load_id, tokens, kv_cache, holders, evaluate=not later
+            )
+            and later
+        ):
+            states = tree_flatten([layer.state for layer in kv_cache])
+            self._unsettled.extend(a for _, a in states if isinstance(a, mx.array))
         self._changed = True
+
+    def settle(self, max_bytes: int | None = None) -> None:
+        """Evaluate kept states' arrays, about ``max_bytes`` of them (None: all)."""
+        done = 0
+        while self._unsettled and (max_bytes is None or done < max_bytes):
+            array = self._unsettled.popleft()
+            mx.eval(array)
+            done += array.nbytes
 
     def shrink(self, max_bytes: int) -> None:
         """Evict the least recently used entries until at most ``max_bytes`` stay."""
@@ -139,7 +163,9 @@ class PromptStore:
         self._changed = False
 
     def sync(self) -> None:
-        """While idle, prompt_cache_dir comes to hold the prompt cache's entries."""
+        """While idle, kept states settle and prompt_cache_dir comes to hold the
+        prompt cache's entries."""
+        self.settle()
         if self.files is None or not self._changed:
             return
         self._changed = False

@@ -146,7 +146,9 @@ class Scheduler:
                 self._retire(served, seq, result.state)
                 continue
             for snapshot in result.snapshots:
-                self._share(served, snapshot)
+                # The prompt's end: the row leaves the prompt batch next step.
+                ending = len(snapshot.tokens) == len(seq.request.prompt) - 1
+                self._share(served, snapshot, later=ending)
             seq.proposed += result.proposed
             seq.accepted += result.accepted
             if seq.stream.cancelled:  # during the step
@@ -244,12 +246,15 @@ class Scheduler:
         lead = min(lead, len(prompt) - 1)
         return None, lead if lead - cached >= SHARED_PREFIX_MIN_TOKENS else 0
 
-    def _share(self, served: ServedModel, snapshot: KVState) -> None:
+    def _share(
+        self, served: ServedModel, snapshot: KVState, later: bool = False
+    ) -> None:
         """A prompt prefix was prefilled: its KV state serves the requests that
-        waited for it, and later ones."""
+        waited for it, and later ones (``later``: its copy settles over the next
+        steps, the batch being done with the arrays it is copied from)."""
         prefix = tuple(snapshot.tokens)
         followers = self._pending.pop(prefix, [])
-        served.store.keep(snapshot.cache, prefix, max(1, len(followers)))
+        served.store.keep(snapshot.cache, prefix, max(1, len(followers)), later)
         self._fit_cache(served)
         if followers:
             logger.info(
@@ -404,7 +409,8 @@ class Scheduler:
             # Prefill ended early: whoever waited for it starts on its own.
             self.waiting[:0] = self._pending.pop(prefix, [])
         if state is not None:
-            served.store.keep(state.cache, state.tokens)
+            # Out of the batch: its copy settles over the next steps.
+            served.store.keep(state.cache, state.tokens, later=True)
             self._fit_cache(served)
             file = seq.request.prompt_file
             if file is not None and not file.read_only:

@@ -57,7 +57,7 @@ class FakeStore:
     def fetch(self, prompt):
         return ["cached"], tuple(prompt[-2:])
 
-    def keep(self, cache, tokens, holders=1):
+    def keep(self, cache, tokens, holders=1, later=False):
         self.kept.append((cache, tuple(tokens)))
 
 
