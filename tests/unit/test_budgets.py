@@ -335,3 +335,28 @@ def test_a_finished_sequence_s_state_is_copied_a_few_layers_a_step():
     # Kept at once, as before.
     store.keep(make_kv_cache(model, options), tokens[:3])
     assert not store._unsettled
+
+
+def test_a_step_where_a_sequence_starts_decoding_carries_no_prefill():
+    """A sequence's first decode step runs as a pass of its own, and its KV joins
+    the batch's: that step leaves the other prompts' prefill for the next."""
+    model = tiny_model()
+    options = LoadOptions(prefill_step_size=256)
+    decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=8))
+    decoder.add(sequence(model, options, 8, 50))
+    for _ in range(3):
+        decoder.step()
+    decoder.add(sequence(model, options, 300, 4))
+    short = decoder.add(sequence(model, options, 5, 4))
+    counters = decoder._batch._counters
+    seen = []
+    for _ in range(6):
+        before = len(decoder._batch._generation_batch), counters.prompt_tokens
+        decoder.step()
+        joined = len(decoder._batch._generation_batch) > before[0]
+        seen.append((joined, counters.prompt_tokens - before[1]))
+    assert short in decoder._batch._generation_batch.uids
+    # Two prompts share the 7 tokens one decoding row leaves, 3 each (the short
+    # one has 4 before its last), none in the step the short one starts decoding,
+    # then the long one takes the 6 two decoding rows leave.
+    assert seen[:4] == [(False, 6), (False, 4), (True, 0), (False, 6)]
