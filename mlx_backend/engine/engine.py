@@ -165,7 +165,9 @@ class Engine(Turns):
             if scheduler.running:
                 had_sequences = True
                 scheduler.update(served, served.decoder.step())
-                served.store.settle(SETTLE_BYTES)
+            if served is not None:
+                # With nothing left decoding, whatever is left settles now.
+                served.store.settle(SETTLE_BYTES if scheduler.running else None)
             if self._jobs:
                 # On the decode steps' stream: one BLAS thread team, and one order
                 # of collectives on every rank of a group.
