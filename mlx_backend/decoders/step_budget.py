@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # prompt token's pass fits), and the steps of a prefill this many on average.
 STEP_MULTIPLE = 2.5
 MEAN_MULTIPLE = 1.6
+# While a short prompt prefills, beside a long one in a padded batch whose pass
+# costs about two decode steps even at a token a row, a step may take this many.
+SHORT_STEP_MULTIPLE = 3.5
 # A chunk one token longer than the last is tried while the last took less than
 # this share of a step's prefill time.
 PROBE_BELOW = 0.8
@@ -145,17 +148,17 @@ def choose_step_budget(option: int | None, costs: StepCosts | None) -> StepBudge
 class PrefillPacer:
     """Each step's prefill while sequences decode, from the steps it has seen.
 
-    A decode step's time is the median of the latest steps without prefill. A
-    prompt token's is learnt from each step with prefill (its time less a decode
-    step, over its prompt tokens, the pass's fixed cost included), from the
-    load's one-token pass at the start of each prefill: up at once when a step
-    ran over, down by half the way; since a chunk's tokens share a pass's fixed
-    cost, a chunk a token a row longer is tried while the last left room. Every step credits prefill time, so
-    that steps take ``MEAN_MULTIPLE`` decode steps on average; once the credit
-    holds a whole step's worth (``STEP_MULTIPLE`` less one decode step) a step
-    spends it, on the tokens it buys, or on one token where one costs more. Few
-    larger chunks pay a forward pass's fixed cost less often than a small chunk
-    every step.
+    A decode step's time is the median of the latest steps without prefill (nor a
+    sequence starting to decode). A prompt token's is learnt from each step with
+    prefill (its time less a decode step, over its prompt tokens, the pass's fixed
+    cost included), from the load's one-token pass at the start of each prefill:
+    up at once when a step ran over, down by half the way; since a chunk's tokens
+    share a pass's fixed cost, a chunk a token a row longer is tried while the
+    last left room. Every step credits prefill time, so that steps take
+    ``MEAN_MULTIPLE`` decode steps on average; once the credit holds a whole
+    step's worth (``STEP_MULTIPLE`` less one decode step) a step spends it, on the
+    tokens it buys, or on one token where one costs more. Few larger chunks pay a
+    forward pass's fixed cost less often than a small chunk every step.
     """
 
     def __init__(self, budget: StepBudget, step_size: int):
@@ -181,11 +184,17 @@ class PrefillPacer:
             return self._first_decode_s
         return statistics.median(self._decodes)
 
+    @property
+    def bounds(self) -> bool:
+        """Whether the budget bounds steps at all."""
+        return bool(self.budget.tokens or self.budget.timed)
+
     def chunk(self, decoding: int, prefilling: int, short: bool = False) -> int:
         """Prompt tokens per prefilling row this step (0: none this step), with
         ``decoding`` sequences decoding and ``prefilling`` prompts prefilling;
         ``short``: one of them is a short prompt, prefilled every step on credit
-        (a one-line request must not wait for a long prompt's turns)."""
+        and in steps of up to ``SHORT_STEP_MULTIPLE`` (a one-line request must
+        not wait for a long prompt's turns)."""
         budget = self.budget
         if not (decoding and prefilling and self.bounds):
             self._credit = None
@@ -202,6 +211,8 @@ class PrefillPacer:
             self._credit = min(self._credit + earned, whole)
             if self._credit < whole * (1 - 1e-9) and not short:
                 return 0
+            if short:
+                whole = (SHORT_STEP_MULTIPLE - 1) * self.decode_s
             total = max(1, int(whole / self.token_s))
             last, spent = self._last
             if total <= last and spent < PROBE_BELOW * whole:
@@ -209,11 +220,6 @@ class PrefillPacer:
                 total = last + prefilling
         self.tokens = max(total, prefilling)
         return min(self._step_size, max(1, total // prefilling))
-
-    @property
-    def bounds(self) -> bool:
-        """Whether the budget bounds steps at all."""
-        return bool(self.budget.tokens or self.budget.timed)
 
     def observe(
         self, seconds: float, decoding: int, prompt_tokens: int, joined: bool = False
