@@ -16,6 +16,7 @@ from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.decoders.step_budget import (
     MEAN_MULTIPLE,
     NO_STEP_BUDGET,
+    SHORT_STEP_MULTIPLE,
     STEP_MULTIPLE,
     PrefillPacer,
     StepBudget,
@@ -193,6 +194,15 @@ def test_a_slow_step_holds_the_prefill_back_until_its_time_is_made_up():
     # The next prefill banks nothing and starts over from one token's pass.
     assert pacer.chunk(1, 0) == 256
     assert pacer.chunk(1, 1) == 1
+
+
+def test_a_short_prompt_may_take_a_larger_step():
+    pacer = PrefillPacer(choose_step_budget(None, costs(20, 16, 1)), 256)
+    # 17 ms a token as loaded: a step's 30 ms of prefill buy one, a short
+    # prompt's 50 ms two.
+    assert pacer.chunk(1, 1) == 1
+    assert pacer.chunk(1, 1, short=True) == 2
+    assert STEP_MULTIPLE < SHORT_STEP_MULTIPLE < 5
 
 
 def test_budget_options_parse_and_check():
