@@ -183,11 +183,9 @@ class BatchDecoder(Decoder):
         rows = rows[: batch.prefill_batch_size]
         prompts = [left for uid, left in rows if uid not in self._resuming]
         short = any(left <= SHORT_PROMPT_TOKENS for left in prompts)
-        chunk = self.pacer.chunk(decoding, len(prompts), short)
-        if decoding and any(left == 1 for _, left in rows):
-            # A sequence whose prefill ended starts decoding with a pass of its
-            # own: this step carries no prefill beside it.
-            chunk = 0 if self.pacer.bounds else chunk
+        # A row with one token left starts decoding this step.
+        joining = any(left == 1 for _, left in rows)
+        chunk = self.pacer.chunk(decoding, len(prompts), short, joining)
         # Resuming sequences run their kept tokens again (rollback) at once; the
         # batch splits their last token off itself.
         resuming = [left - 1 for uid, left in rows if uid in self._resuming]

@@ -8,8 +8,8 @@ a step that carries prefill takes at most ``STEP_MULTIPLE`` decode steps, and ov
 the steps of a prefill the running streams keep ``1 / MEAN_MULTIPLE`` of their
 speed. Deep in a long prompt each token costs more (its attention reads the whole
 context): the chunks shrink, down to one token where one costs more than a step
-allows. With nothing decoding, prompts are prefilled
-in chunks of ``prefill_step_size``, as fast as the model goes.
+allows. With nothing decoding, prompts are prefilled in chunks of
+``prefill_step_size``, as fast as the model goes.
 """
 
 import logging
@@ -184,19 +184,22 @@ class PrefillPacer:
             return self._first_decode_s
         return statistics.median(self._decodes)
 
-    @property
-    def bounds(self) -> bool:
-        """Whether the budget bounds steps at all."""
-        return bool(self.budget.tokens or self.budget.timed)
-
-    def chunk(self, decoding: int, prefilling: int, short: bool = False) -> int:
+    def chunk(
+        self,
+        decoding: int,
+        prefilling: int,
+        short: bool = False,
+        joining: bool = False,
+    ) -> int:
         """Prompt tokens per prefilling row this step (0: none this step), with
         ``decoding`` sequences decoding and ``prefilling`` prompts prefilling;
         ``short``: one of them is a short prompt, prefilled every step on credit
         and in steps of up to ``SHORT_STEP_MULTIPLE`` (a one-line request must
-        not wait for a long prompt's turns)."""
+        not wait for a long prompt's turns); ``joining``: a sequence starts
+        decoding this step, with a pass of its own, and no prefill runs beside
+        it."""
         budget = self.budget
-        if not (decoding and prefilling and self.bounds):
+        if not (decoding and prefilling and (budget.tokens or budget.timed)):
             self._credit = None
             return self._step_size
         if budget.tokens:
@@ -219,6 +222,8 @@ class PrefillPacer:
                 # Tokens share a pass's fixed cost: one more a row may fit.
                 total = last + prefilling
         self.tokens = max(total, prefilling)
+        if joining:
+            return 0
         return min(self._step_size, max(1, total // prefilling))
 
     def observe(

@@ -237,13 +237,21 @@ def test_the_shortest_waiting_prompt_takes_a_free_prefill_slot_first():
     assert started[first] < started[short] < started[later]
 
 
-def test_a_prefill_beside_decoding_rows_keeps_within_the_budget():
+def one_row_decoding(tokens: int) -> tuple:
+    """A batch decoder with a step budget of ``tokens``, one row decoding."""
     model = tiny_model()
     options = LoadOptions(prefill_step_size=256)
-    decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=40))
+    decoder = BatchDecoder(
+        model, options, True, budget=StepBudget("test", tokens=tokens)
+    )
     decoder.add(sequence(model, options, 8, 50))
     for _ in range(3):
         decoder.step()
+    return model, options, decoder
+
+
+def test_a_prefill_beside_decoding_rows_keeps_within_the_budget():
+    model, options, decoder = one_row_decoding(40)
     decoder.add(sequence(model, options, 300, 4))
     decoder.step()
     # One row decodes, one prefills: 39 prompt tokens a step, not 256.
@@ -350,12 +358,7 @@ def test_a_finished_sequence_s_state_is_copied_a_few_layers_a_step():
 def test_a_step_where_a_sequence_starts_decoding_carries_no_prefill():
     """A sequence's first decode step runs as a pass of its own, and its KV joins
     the batch's: that step leaves the other prompts' prefill for the next."""
-    model = tiny_model()
-    options = LoadOptions(prefill_step_size=256)
-    decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=8))
-    decoder.add(sequence(model, options, 8, 50))
-    for _ in range(3):
-        decoder.step()
+    model, options, decoder = one_row_decoding(8)
     decoder.add(sequence(model, options, 300, 4))
     short = decoder.add(sequence(model, options, 5, 4))
     counters = decoder._batch._counters
