@@ -129,6 +129,20 @@ def test_threads_give_the_same_products(qmm):
     assert mx.array_equal(products[0], products[2])
 
 
+def test_the_pool_runs_each_task_once_whatever_the_last_run_left(qmm):
+    """Runs of many tasks and of few back to back, on more threads than cores,
+    so that workers come late for runs: each task runs once, and none still runs
+    when its run returns. A worker's stale claim could take a task of the next
+    run before it was published (with that run's task count): the count of tasks
+    done ran ahead, and a server crashed in a task reading a returned frame."""
+    threads = qmm.settings()["threads"]
+    qmm.set_threads(4)
+    try:
+        assert qmm.check_pool(20000) == 0
+    finally:
+        qmm.set_threads(threads)
+
+
 def test_leading_axes_dtypes_and_views(qmm):
     wq, scales, biases = quantized(64, 256, 4, 64, mx.bfloat16, 11)
     x = mx.random.normal((2, 3, 256), key=mx.random.key(12))

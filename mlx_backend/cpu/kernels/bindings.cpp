@@ -59,6 +59,12 @@ NB_MODULE(_qmm, m) {
     return d;
   });
   m.def("set_threads", &qmm::set_threads, "threads"_a);
+  m.def(
+      "check_pool",
+      &qmm::check_pool,
+      "runs"_a,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "Runs the worker pool `runs` times: the tasks run other than once.");
   m.def("use_sgemm", &qmm::use_sgemm, "use"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("set_activations", &qmm::set_activations, "activations"_a);

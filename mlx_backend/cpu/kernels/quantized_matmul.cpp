@@ -94,12 +94,22 @@ class Pool {
       }
       return;
     }
+    if (uint64_t(tasks) > TASK_MASK) {
+      for (int base = 0; base < tasks; base += int(TASK_MASK)) {
+        int part = std::min(tasks - base, int(TASK_MASK));
+        run(part, [&](int i) { fn(base + i); });
+      }
+      return;
+    }
     job_ = &fn;
-    tasks_ = tasks;
     done_.store(0);
-    // A claim is (run << 32 | next task): a worker late for one run can't take a
-    // task of the next.
-    claims_.store(++runs_ << 32);
+    // The claim names the run and its task count: a worker late for the last
+    // run, whose claim is stale, can neither take a task of this one nor read
+    // this run's count against that claim (it did: a task of this run ran twice,
+    // the count of tasks done ran ahead, and this call returned while one still
+    // read its frame).
+    uint64_t run = ++runs_ & RUN_MASK;
+    claims_.store(run << (2 * TASK_BITS) | uint64_t(tasks) << TASK_BITS);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       generation_++;
@@ -112,6 +122,11 @@ class Pool {
   }
 
  private:
+  // A claim: (run << 2 * TASK_BITS) | (tasks << TASK_BITS) | next task.
+  static constexpr int TASK_BITS = 20;
+  static constexpr uint64_t TASK_MASK = (uint64_t(1) << TASK_BITS) - 1;
+  static constexpr uint64_t RUN_MASK = (uint64_t(1) << (64 - 2 * TASK_BITS)) - 1;
+
   static void pause() {
     // No PAUSE: under KVM, pause loops exit to the hypervisor.
     asm volatile("" ::: "memory");
@@ -120,8 +135,8 @@ class Pool {
   void take_tasks() {
     uint64_t claim = claims_.load();
     while (true) {
-      int task = int(claim & 0xffffffffu);
-      if (task >= tasks_) {
+      int task = int(claim & TASK_MASK);
+      if (task >= int((claim >> TASK_BITS) & TASK_MASK)) {
         return;
       }
       if (claims_.compare_exchange_weak(claim, claim + 1)) {
@@ -162,7 +177,6 @@ class Pool {
   std::atomic<int> done_{0};
   uint64_t runs_ = 0;
   const std::function<void(int)>* job_ = nullptr;
-  int tasks_ = 0;
   std::atomic<bool> stopping_{false};
   std::chrono::microseconds spin_{spin_microseconds()};
 };
@@ -698,6 +712,41 @@ void run_tasks(int tasks, double work, const std::function<void(int)>& fn) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.pool.run(tasks, fn, work >= s.parallel_work);
+}
+
+int check_pool(int runs) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  constexpr int MOST_TASKS = 40;
+  std::vector<std::atomic<int>> taken(MOST_TASKS);
+  std::atomic<int> running{0}, faults{0};
+  for (int r = 0; r < runs; r++) {
+    // Runs of many tasks and of few alternate: a worker late for one run meets
+    // the next with another task count.
+    int tasks = r % 2 ? MOST_TASKS - r % 7 : 2 + r % 3;
+    for (auto& t : taken) {
+      t.store(0);
+    }
+    s.pool.run(tasks, [&](int t) {
+      running.fetch_add(1);
+      if (t < 0 || t >= tasks) {
+        faults.fetch_add(1);
+      } else {
+        taken[t].fetch_add(1);
+      }
+      volatile int spin = 0;
+      for (int i = 0; i < 50 + t % 5 * 40; i++) {
+        spin = spin + i;
+      }
+      running.fetch_sub(1);
+    });
+    // Every task ran once, and none still runs once the run returns.
+    faults += running.load() != 0;
+    for (int t = 0; t < MOST_TASKS; t++) {
+      faults += taken[t].load() != (t < tasks ? 1 : 0);
+    }
+  }
+  return faults.load();
 }
 
 void set_threads(int threads) {

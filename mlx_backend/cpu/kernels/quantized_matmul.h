@@ -108,6 +108,10 @@ struct Settings {
 
 Settings settings();
 void set_threads(int threads);
+
+// Runs the worker pool `runs` times over tasks that count their calls: the number
+// of tasks run other than once, or still running when their run returned.
+int check_pool(int runs);
 void set_activations(const std::string& activations);
 // Whether many rows of x go to the process's sgemm in tiles of dequantized weights
 // (worth it with a fast BLAS), or to the row kernel in blocks of rows_limit rows.
