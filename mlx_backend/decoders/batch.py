@@ -5,10 +5,17 @@ import logging
 import time
 from collections import deque
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+    _merge_caches,
+)
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
+from mlx_backend.caches.kinds import copy_prefix
 from mlx_backend.cpu.pacing import pace_step
 from mlx_backend.decoders.base import (
     Capabilities,
@@ -106,12 +113,17 @@ class BatchDecoder(Decoder):
         return uid
 
     def step(self) -> list[StepResult]:
-        decoding = self._plan_prefill()
-        counters = self._batch._counters
+        batch = self._batch
+        counters = batch._counters
         prefilled = counters.prompt_tokens
         start = time.perf_counter()
         try:
-            prompt_responses, responses = self._batch.next()
+            joined = self._join_waiting()
+            decoding, alone, chunk = self._plan_prefill(len(joined))
+            prompt_responses, responses = batch.next()
+            snapshots = self._take_snapshots(prompt_responses)
+            if alone is not None:
+                snapshots.update(self._prefill_alone(alone, chunk))
         except Exception as e:
             logger.exception("batched generation failed")
             error = e.with_traceback(None)
@@ -126,10 +138,12 @@ class BatchDecoder(Decoder):
             time.perf_counter() - start,
             decoding,
             counters.prompt_tokens - prefilled,
-            joined=any(r.end_of_prompt for r in prompt_responses),
+            joined=bool(joined) or any(r.end_of_prompt for r in prompt_responses),
+            alone=alone is not None,
         )
-        snapshots = self._take_snapshots(prompt_responses)
         responses = [r for r in responses if r.uid in self._rows]
+        # A joining row's first token is its last prompt token: its own come next.
+        responses = [r for r in responses if r.uid not in joined]
         if responses:
             self.batch_steps += 1
             self.batch_tokens += len(responses)
@@ -159,10 +173,54 @@ class BatchDecoder(Decoder):
         ]
         return results
 
-    def _plan_prefill(self) -> int:
-        """This step's prefill: the shortest waiting prompts join it first, and
-        while sequences decode its chunks keep within the step budget. The
-        sequences decoding."""
+    def _join_waiting(self) -> set[int]:
+        """Waiting sequences with one prompt token left start decoding: their KV
+        joins the decode batch's at once, never padded beside the prompts still
+        prefilling (mlx-lm merges them into its prompt batch first, copying every
+        row), and their last prompt token is their input to this step's decode
+        pass (mlx-lm runs it in a pass of its own). The rows that joined: the
+        token this step returns for each is that prompt token, not theirs."""
+        batch = self._batch
+        room = batch.completion_batch_size - len(batch._generation_batch)
+        ready = [s for s in batch._unprocessed_sequences if _prompt_left(s) == 1]
+        ready = ready[: max(room, 0)]
+        if not ready:
+            return set()
+        joining = {s[0] for s in ready}
+        batch._unprocessed_sequences = deque(
+            s for s in batch._unprocessed_sequences if s[0] not in joining
+        )
+        uids, segments, max_tokens, caches, tokens, samplers, processors, stops = (
+            list(field) for field in zip(*ready)
+        )
+        with mx.stream(batch.stream):
+            rows = GenerationBatch.empty(self._model, batch.sampler)
+            rows.uids, rows.prompt_cache, rows.tokens = (
+                uids,
+                _merge_caches(caches),
+                tokens,
+            )
+            rows.samplers, rows.logits_processors = samplers, processors
+            rows.stop_sequences = stops
+            # The prompt token a row returns first counts against its limit.
+            rows.max_tokens = [n + 1 for n in max_tokens]
+            rows._next_tokens = mx.array([s[0][0] for s in segments], mx.uint32)
+            rows._next_logprobs = [mx.zeros((1,)) for _ in uids]
+            rows._token_context = [TokenBuffer(t) for t in tokens]
+            rows._num_tokens = [0] * len(uids)
+            rows._matchers = [stop.matcher() for stop in stops]
+            batch._generation_batch.extend(rows)
+        return joining
+
+    def _plan_prefill(self, joined: int) -> tuple[int, tuple | None, int]:
+        """This step's prefill: the shortest waiting prompts join it first; while
+        sequences decode its chunks keep within the step budget. Beside a long
+        prompt a short one prefills in a pass of its own, and the prompt batch
+        waits for it: in the batch, padded to the long one's depth, its tokens
+        cost as deep as the long one's, and with nothing decoding it would wait
+        for the long one's whole chunks. The sequences decoding, the short prompt
+        that prefills alone this step (out of the queue until it has), and its
+        chunk."""
         batch = self._batch
         waiting = batch._unprocessed_sequences
         if len(waiting) > 1:
@@ -179,18 +237,62 @@ class BatchDecoder(Decoder):
                 batch._prompt_batch.uids, batch._currently_processing
             )
         ]
+        # A row with one token left starts decoding this step.
+        joining = joined > 0 or any(left == 1 for _, left in rows)
         rows += [(s[0], _prompt_left(s)) for s in waiting]
+        lefts = [left for uid, left in rows if uid not in self._resuming]
+        alone = None
+        if not joining and any(left > SHORT_PROMPT_TOKENS for left in lefts):
+            alone = next(
+                (
+                    s
+                    for s in waiting
+                    if s[0] not in self._resuming
+                    and _prompt_left(s) <= SHORT_PROMPT_TOKENS
+                ),
+                None,
+            )
+        if alone is not None:
+            rows = [row for row in rows if row[0] != alone[0]]
         rows = rows[: batch.prefill_batch_size]
         prompts = [left for uid, left in rows if uid not in self._resuming]
-        short = any(left <= SHORT_PROMPT_TOKENS for left in prompts)
-        # A row with one token left starts decoding this step.
-        joining = any(left == 1 for _, left in rows)
-        chunk = self.pacer.chunk(decoding, len(prompts), short, joining)
+        if alone is not None:
+            waiting.remove(alone)
+            chunk = self.pacer.chunk(decoding, 1, alone=True)
+        else:
+            short = any(left <= SHORT_PROMPT_TOKENS for left in prompts)
+            chunk = self.pacer.chunk(decoding, len(prompts), short, joining)
         # Resuming sequences run their kept tokens again (rollback) at once; the
         # batch splits their last token off itself.
         resuming = [left - 1 for uid, left in rows if uid in self._resuming]
-        batch.prefill_step_size = max([chunk, *resuming])
-        return decoding
+        batch.prefill_step_size = max([0 if alone else chunk, *resuming])
+        return decoding, alone, chunk
+
+    def _prefill_alone(self, sequence: tuple, chunk: int) -> dict:
+        """Up to ``chunk`` tokens of a waiting sequence's prompt, on its own KV
+        cache, before it goes back to the front of the queue; its last token is
+        left to start decoding. The snapshots its prefill passed."""
+        batch = self._batch
+        uid, segments, _, cache, tokens = sequence[:5]
+        part = segments[0][:chunk]
+        with mx.stream(batch.stream):
+            self._model(mx.array([part]), cache=cache)
+            mx.eval([layer.state for layer in cache])
+        tokens += part
+        segments[0] = segments[0][len(part) :]
+        batch._counters.prompt_tokens += len(part)
+        batch._unprocessed_sequences.appendleft(sequence)
+        if segments[0]:
+            return {}
+        segments.pop(0)
+        pending = self._snapshots.get(uid)
+        if not pending:
+            return {}
+        pending.pop(0)
+        if not pending:
+            del self._snapshots[uid]
+        kept = copy_prefix(cache, len(tokens)) or copy.deepcopy(cache)
+        return {uid: (KVState(kept, list(tokens)),)}
 
     @property
     def step_token_budget(self) -> int:

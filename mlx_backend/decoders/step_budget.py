@@ -30,13 +30,11 @@ logger = logging.getLogger(__name__)
 # prompt token's pass fits), and the steps of a prefill this many on average.
 STEP_MULTIPLE = 2.5
 MEAN_MULTIPLE = 1.6
-# While a short prompt prefills, beside a long one in a padded batch whose pass
-# costs about two decode steps even at a token a row, a step may take this many.
-SHORT_STEP_MULTIPLE = 3.5
 # A chunk one token longer than the last is tried while the last took less than
 # this share of a step's prefill time.
 PROBE_BELOW = 0.8
-# A prompt with at most this many tokens left prefills every step, on credit.
+# A prompt with at most this many tokens left prefills every step, on credit, and
+# beside a longer one in a pass of its own.
 SHORT_PROMPT_TOKENS = 64
 # Decode steps alone whose median is a decode step's time.
 DECODE_WINDOW = 9
@@ -149,16 +147,16 @@ class PrefillPacer:
     """Each step's prefill while sequences decode, from the steps it has seen.
 
     A decode step's time is the median of the latest steps without prefill (nor a
-    sequence starting to decode). A prompt token's is learnt from each step with
-    prefill (its time less a decode step, over its prompt tokens, the pass's fixed
-    cost included), from the load's one-token pass at the start of each prefill:
-    up at once when a step ran over, down by half the way; since a chunk's tokens
-    share a pass's fixed cost, a chunk a token a row longer is tried while the
-    last left room. Every step credits prefill time, so that steps take
-    ``MEAN_MULTIPLE`` decode steps on average; once the credit holds a whole
-    step's worth (``STEP_MULTIPLE`` less one decode step) a step spends it, on the
-    tokens it buys, or on one token where one costs more. Few larger chunks pay a
-    forward pass's fixed cost less often than a small chunk every step.
+    sequence starting to decode) while no prefill was under way. A prompt token's
+    is learnt from each step with prefill (its time less a decode step, over its
+    prompt tokens: ``TokenCost``), apart for the prompt batch's rows and for a
+    short prompt prefilled in a pass of its own, from the load's one-token pass
+    (at least a decode step) at the start of each prefill. Every step credits
+    prefill time, so that steps take ``MEAN_MULTIPLE`` decode steps on average;
+    once the credit holds a whole step's worth (``STEP_MULTIPLE`` less one decode
+    step) a step spends it, on the tokens it buys, or on one token where one costs
+    more. Few larger chunks pay a forward pass's fixed cost less often than a
+    small chunk every step.
     """
 
     def __init__(self, budget: StepBudget, step_size: int):
@@ -170,13 +168,14 @@ class PrefillPacer:
         # As the load measured a pass of one token: a prefill's first chunk is
         # small, whatever the last one's depth cost.
         self._first_token_s = (costs.pass_s + costs.token_s) if costs else 0.0
-        self.token_s = self._first_token_s
+        # The prompt batch's rows, and a short prompt in a pass of its own: their
+        # tokens cost apart (a long prompt's deep in its context).
+        self._batched = TokenCost()
+        self._alone = TokenCost()
         # Prefill seconds the steps have earned; None: no prefill under way.
         self._credit: float | None = None
         # The prompt tokens of the last step planned with a budget.
         self.tokens = budget.tokens
-        # The last step with prefill: its prompt tokens and their seconds.
-        self._last = (0, 0.0)
 
     @property
     def decode_s(self) -> float:
@@ -190,18 +189,20 @@ class PrefillPacer:
         prefilling: int,
         short: bool = False,
         joining: bool = False,
+        alone: bool = False,
     ) -> int:
         """Prompt tokens per prefilling row this step (0: none this step), with
         ``decoding`` sequences decoding and ``prefilling`` prompts prefilling;
         ``short``: one of them is a short prompt, prefilled every step on credit
-        and in steps of up to ``SHORT_STEP_MULTIPLE`` (a one-line request must
-        not wait for a long prompt's turns); ``joining``: a sequence starts
-        decoding this step, with a pass of its own, and no prefill runs beside
-        it."""
+        (a one-line request must not wait for a long prompt's turns); ``alone``:
+        that short prompt prefills in a pass of its own; ``joining``: a sequence
+        starts decoding this step (its KV joins the batch's), and no prefill runs
+        beside it."""
         budget = self.budget
         if not (decoding and prefilling and (budget.tokens or budget.timed)):
             self._credit = None
             return self._step_size
+        short = short or alone
         if budget.tokens:
             total = budget.tokens - decoding
         else:
@@ -209,33 +210,40 @@ class PrefillPacer:
             # A prefill starts with a whole step's worth, and never banks more.
             earned = (MEAN_MULTIPLE - 1) * self.decode_s
             if self._credit is None:
-                self._credit, self.token_s = whole, self._first_token_s
-                self._last = (0, 0.0)
+                self._credit = whole
+                # A one-token pass reads every weight, as a decode step does: the
+                # load's measurement of its fixed cost can come out near zero.
+                first_s = max(self._first_token_s, self.decode_s)
+                self._batched.restart(first_s)
+                self._alone.restart(first_s)
             self._credit = min(self._credit + earned, whole)
             if self._credit < whole * (1 - 1e-9) and not short:
                 return 0
-            if short:
-                whole = (SHORT_STEP_MULTIPLE - 1) * self.decode_s
-            total = max(1, int(whole / self.token_s))
-            last, spent = self._last
-            if total <= last and spent < PROBE_BELOW * whole:
-                # Tokens share a pass's fixed cost: one more a row may fit.
-                total = last + prefilling
+            cost = self._alone if alone else self._batched
+            total = cost.tokens_within(whole, prefilling)
         self.tokens = max(total, prefilling)
         if joining:
             return 0
         return min(self._step_size, max(1, total // prefilling))
 
     def observe(
-        self, seconds: float, decoding: int, prompt_tokens: int, joined: bool = False
+        self,
+        seconds: float,
+        decoding: int,
+        prompt_tokens: int,
+        joined: bool = False,
+        alone: bool = False,
     ) -> None:
         """A step took ``seconds``, with ``decoding`` sequences decoding and
-        ``prompt_tokens`` prefilled; ``joined``: sequences started decoding in it
-        (each with a pass of its own)."""
+        ``prompt_tokens`` prefilled (``alone``: by a short prompt in a pass of its
+        own); ``joined``: sequences started decoding in it (each with a pass of
+        its own)."""
         if not decoding:
             return
         if not prompt_tokens:
-            if not joined:
+            # Beside a prefill, decode steps alone took 1.2-1.5x theirs before it
+            # (the streams' time the budget is a multiple of).
+            if not joined and self._credit is None:
                 self._decodes.append(seconds)
             return
         if not self.budget.timed:
@@ -243,6 +251,32 @@ class PrefillPacer:
         spent = max(seconds - self.decode_s, 1e-6)
         if self._credit is not None:
             self._credit -= spent
-        self._last = (prompt_tokens, spent)
-        seen = spent / prompt_tokens
+        (self._alone if alone else self._batched).learn(prompt_tokens, spent)
+
+
+class TokenCost:
+    """A prompt token's seconds in a step, fixed cost included, as learnt from
+    the steps: from a first estimate at each prefill's start, up at once when a
+    step ran over, down by half the way; since a chunk's tokens share a pass's
+    fixed cost, a chunk a token a row longer is tried while the last left room."""
+
+    def __init__(self):
+        self.restart(0.0)
+
+    def restart(self, first_s: float) -> None:
+        self.token_s = first_s
+        # The last step's prompt tokens and their seconds.
+        self.last = (0, 0.0)
+
+    def tokens_within(self, seconds: float, rows: int) -> int:
+        """The prompt tokens of ``rows`` rows that fit in ``seconds``."""
+        total = max(1, int(seconds / self.token_s))
+        last, spent = self.last
+        if total <= last and spent < PROBE_BELOW * seconds:
+            total = last + rows
+        return total
+
+    def learn(self, tokens: int, seconds: float) -> None:
+        self.last = (tokens, seconds)
+        seen = seconds / tokens
         self.token_s = seen if seen > self.token_s else (self.token_s + seen) / 2

@@ -21,6 +21,7 @@ from mlx_lm.utils import load as load_mlx_lm
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.speculative import SpeculativeDecoder
+from mlx_backend.decoders.step_budget import SHORT_PROMPT_TOKENS, StepBudget
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.loading import LoadPlan
@@ -174,6 +175,72 @@ def test_a_shared_prefix_is_prefilled_once(family):
         assert text_of(events) == family.text(family.reference(prompt))
     # Two requests started from the third's prefix.
     assert reused >= 2 * (shared - 64)
+
+
+def test_a_short_prompt_beside_a_long_one_as_mlx_lm(family):
+    """While a sequence decodes, a short prompt prefills in passes of its own and
+    joins the decode batch directly, and a long one prefills in the prompt batch:
+    each as mlx-lm alone, and the short prompt's mid-prompt snapshot continues as
+    mlx-lm from there (a copy the later chunks left alone)."""
+    stream, long, short = (
+        family.ask(QUESTIONS[0]),
+        family.ask(QUESTIONS[1], SYSTEM),
+        family.ask(QUESTIONS[5]),
+    )
+    assert len(short) <= SHORT_PROMPT_TOKENS < len(long)
+    middle = len(short) // 2
+
+    def serve(model, options):
+        decoder = BatchDecoder(
+            model, options, True, budget=StepBudget("test", tokens=6)
+        )
+
+        def add(prompt, max_tokens, snapshots=()):
+            cache = make_kv_cache(model, options)
+            return decoder.add(
+                NewSequence(
+                    prompt,
+                    prompt,
+                    cache,
+                    greedy_sampler,
+                    [],
+                    max_tokens,
+                    snapshots=snapshots,
+                )
+            )
+
+        keys = [add(stream, 24)]
+        tokens, kept, batched = {keys[0]: []}, {}, set()
+        while not tokens[keys[0]]:
+            for result in decoder.step():
+                tokens[result.key] += result.tokens
+        keys += [add(long, 12), add(short, 12, (middle, len(short) - 1))]
+        tokens.update({key: [] for key in keys[1:]})
+        while decoder._rows:
+            batched.update(decoder._batch._prompt_batch.uids)
+            for result in decoder.step():
+                tokens[result.key] += result.tokens
+                kept.update({len(s.tokens): s.cache for s in result.snapshots})
+        decoder.close()
+        rest = mx.array(short[middle:])
+        after = list(
+            generate_step(rest, model, max_tokens=12, prompt_cache=kept[middle])
+        )
+        return [tokens[key] for key in keys], batched, keys, sorted(kept), after
+
+    replies, batched, keys, kept, after = family.engine.call(
+        lambda: serve(family.engine.served.model, family.engine.info.options)
+    ).result()
+    ends = family.tokenizer.eos_token_ids
+
+    def until_end(tokens: list[int]) -> list[int]:
+        return tokens[: next((i for i, t in enumerate(tokens) if t in ends), None)]
+
+    for prompt, tokens, n in zip((stream, long, short), replies, (24, 12, 12)):
+        assert until_end(tokens) == family.reference(prompt, n)
+    assert keys[1] in batched and keys[2] not in batched
+    assert kept == [middle, len(short) - 1]
+    assert until_end([t for t, _ in after]) == family.reference(short, 12)
 
 
 class Oracle:

@@ -14,9 +14,9 @@ from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.proposers import NgramProposer
 from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.decoders.step_budget import (
+    DECODE_WINDOW,
     MEAN_MULTIPLE,
     NO_STEP_BUDGET,
-    SHORT_STEP_MULTIPLE,
     STEP_MULTIPLE,
     PrefillPacer,
     StepBudget,
@@ -169,10 +169,10 @@ def test_a_slow_step_holds_the_prefill_back_until_its_time_is_made_up():
     decode_s = 0.020
     pacer = PrefillPacer(choose_step_budget(None, costs(20, 16, 1)), 256)
     # A prefill starts with a step's worth of credit (30 ms), and one token's
-    # pass as the load measured it (17 ms).
+    # pass as the load measured it (17 ms) or a decode step's (20 ms).
     assert pacer.chunk(1, 1) == 1
     pacer.observe(decode_s + 0.012, 1, 1)
-    # 18 ms left, 12 ms earned a step; 14.5 ms a token now.
+    # 18 ms left, 12 ms earned a step; 16 ms a token now.
     assert pacer.chunk(1, 1) == 2
     # That step took 200 ms more than a decode step: 170 ms to make up at 12 ms
     # a step, and then one token at a time.
@@ -196,13 +196,24 @@ def test_a_slow_step_holds_the_prefill_back_until_its_time_is_made_up():
     assert pacer.chunk(1, 1) == 1
 
 
-def test_a_short_prompt_may_take_a_larger_step():
-    pacer = PrefillPacer(choose_step_budget(None, costs(20, 16, 1)), 256)
-    # 17 ms a token as loaded: a step's 30 ms of prefill buy one, a short
-    # prompt's 50 ms two.
-    assert pacer.chunk(1, 1) == 1
-    assert pacer.chunk(1, 1, short=True) == 2
-    assert STEP_MULTIPLE < SHORT_STEP_MULTIPLE < 5
+def test_a_prefill_starts_from_a_decode_step_a_token_at_least():
+    """The load measured a pass's fixed cost at 0.1 ms: a prefill's first chunk
+    is still a decode step's worth a token (one in a step's 30 ms of prefill),
+    not 8 tokens at 3.4 ms each. A short prompt in a pass of its own learns its
+    cost apart from the prompt batch's, and prefills every step on credit."""
+    decode_s = 0.020
+    pacer = PrefillPacer(choose_step_budget(None, costs(20, 0.1, 3.4)), 256)
+    assert pacer.chunk(1, 1, alone=True) == 1
+    pacer.observe(decode_s + 0.012, 1, 1, alone=True)
+    # 16 ms a token now, and room left: a token more.
+    assert pacer.chunk(1, 1, alone=True) == 2
+    pacer.observe(decode_s + 0.020, 1, 2, alone=True)
+    # The prompt batch waits for its credit, then starts from a decode step's.
+    skipped = 0
+    while (n := pacer.chunk(1, 1)) == 0:
+        pacer.observe(decode_s, 1, 0)
+        skipped += 1
+    assert skipped == 1 and n == 1
 
 
 def test_budget_options_parse_and_check():
@@ -225,8 +236,9 @@ def test_the_shortest_waiting_prompt_takes_a_free_prefill_slot_first():
     decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=40))
     first = decoder.add(sequence(model, options, 200, 4))
     decoder.step()
-    later = decoder.add(sequence(model, options, 200, 4))
-    short = decoder.add(sequence(model, options, 5, 4))
+    later = decoder.add(sequence(model, options, 300, 4))
+    # Long enough to wait for the slot (a short one prefills beside it, alone).
+    shorter = decoder.add(sequence(model, options, 100, 4))
     started = {}
     for step in range(60):
         for result in decoder.step():
@@ -234,7 +246,7 @@ def test_the_shortest_waiting_prompt_takes_a_free_prefill_slot_first():
                 started.setdefault(result.key, step)
         if len(started) == 3:
             break
-    assert started[first] < started[short] < started[later]
+    assert started[first] < started[shorter] < started[later]
 
 
 def one_row_decoding(tokens: int) -> tuple:
@@ -287,8 +299,9 @@ def test_a_sequence_back_from_speculation_counts_as_decoding():
     for step in range(4):
         before = counters.prompt_tokens
         tokens = [t for r in decoder.step() for t in r.tokens]
-        # Its first step back in the batch starts its pass there, alone; then one
-        # sequence decodes beside 7 prompt tokens a step, not 256.
+        # Its first step back joins the decode batch (its kept token is that
+        # step's input, with no prefill beside it); then one sequence decodes
+        # beside 7 prompt tokens a step, not 256.
         assert counters.prompt_tokens - before == (7 if step else 0)
         assert len(tokens) == (step > 0)
 
@@ -355,21 +368,78 @@ def test_a_finished_sequence_s_state_is_copied_a_few_layers_a_step():
     assert not store._unsettled
 
 
-def test_a_step_where_a_sequence_starts_decoding_carries_no_prefill():
-    """A sequence's first decode step runs as a pass of its own, and its KV joins
-    the batch's: that step leaves the other prompts' prefill for the next."""
+def test_a_short_prompt_prefills_alone_and_starts_decoding_in_a_step_of_its_own():
+    """Beside a long prompt, a short one prefills in a pass of its own (padded
+    beside the long one, its tokens cost as deep as the long one's), then its KV
+    joins the decode batch in a step that carries no other prefill, its last
+    prompt token an input of that step's decode pass (not a pass of its own);
+    the long one waits for those steps. Its text is its text alone."""
     model, options, decoder = one_row_decoding(8)
     decoder.add(sequence(model, options, 300, 4))
-    short = decoder.add(sequence(model, options, 5, 4))
+    short = decoder.add(replace(sequence(model, options, 12, 4), snapshots=(6, 11)))
     counters = decoder._batch._counters
-    seen = []
+    seen, tokens, snapshots = [], [], []
     for _ in range(6):
         before = len(decoder._batch._generation_batch), counters.prompt_tokens
-        decoder.step()
+        for result in decoder.step():
+            if result.key == short:
+                tokens += result.tokens
+                snapshots += [len(s.tokens) for s in result.snapshots]
         joined = len(decoder._batch._generation_batch) > before[0]
-        seen.append((joined, counters.prompt_tokens - before[1]))
-    assert short in decoder._batch._generation_batch.uids
-    # Two prompts share the 7 tokens one decoding row leaves, 3 each (the short
-    # one has 4 before its last), none in the step the short one starts decoding,
-    # then the long one takes the 6 two decoding rows leave.
-    assert seen[:4] == [(False, 6), (False, 4), (True, 0), (False, 6)]
+        seen.append((joined, counters.prompt_tokens - before[1], len(tokens)))
+    # One decoding row leaves 7 tokens a step: the short prompt's 11 before its
+    # last (a snapshot after 6, and at its end) in two steps; its last prompt
+    # token is an input of the decode pass of the step it joins, and its tokens
+    # come from the next one on; then the long one takes the 6 two decoding rows
+    # leave.
+    assert seen == [
+        (False, 6, 0),
+        (False, 5, 0),
+        (True, 0, 0),
+        (False, 6, 1),
+        (False, 6, 2),
+        (False, 6, 3),
+    ]
+    assert snapshots == [6, 11]
+    alone = BatchDecoder(model, options, True)
+    alone.add(sequence(model, options, 12, 4))
+    assert [t for _ in range(8) for r in alone.step() for t in r.tokens][:3] == tokens
+
+
+def test_with_nothing_decoding_a_short_prompt_waits_for_no_whole_chunk():
+    """Issue 50's short request took 2 s where the streams ended as it arrived:
+    with nothing decoding, the long prompt prefilled in whole chunks (a second
+    each, deep in it) and the short one, in its prompt batch, waited for two.
+    Beside a long prompt it prefills alone, whole, in one step, and joins the
+    decode pass in the next; then the long one goes on within the budget."""
+    model = tiny_model()
+    options = LoadOptions(prefill_step_size=64)
+    decoder = BatchDecoder(model, options, True, budget=StepBudget("test", tokens=8))
+    decoder.add(sequence(model, options, 600, 4))
+    decoder.step()
+    short = decoder.add(sequence(model, options, 20, 4))
+    counters = decoder._batch._counters
+    seen = []
+    for _ in range(3):
+        before = counters.prompt_tokens
+        tokens = [t for r in decoder.step() if r.key == short for t in r.tokens]
+        seen.append((counters.prompt_tokens - before, len(tokens)))
+    assert seen == [(19, 0), (0, 0), (7, 1)]
+
+
+def test_a_decode_step_is_timed_while_no_prefill_is_under_way():
+    """Beside a prefill, issue 50's streams decoded steps alone in 25-35 ms where
+    they took 20-22 ms before it: counted, they grew the budget they are the
+    measure of (a step with prefill took over 5 of their steps before it)."""
+    pacer = PrefillPacer(choose_step_budget(None, costs(10, 16, 1)), 256)
+    for _ in range(DECODE_WINDOW):
+        pacer.observe(0.020, 2, 0)
+    assert pacer.chunk(2, 1) > 0
+    for _ in range(DECODE_WINDOW):
+        pacer.observe(0.030, 2, 0)
+    assert pacer.decode_s == pytest.approx(0.020)
+    # The prefill over, decode steps count again.
+    assert pacer.chunk(2, 0) == 256
+    for _ in range(DECODE_WINDOW):
+        pacer.observe(0.030, 2, 0)
+    assert pacer.decode_s == pytest.approx(0.030)
