@@ -13,13 +13,13 @@ BUILD_TYPE ?=
 
 STUBS := backend_pb2.py backend_pb2_grpc.py
 KERNELS := mlx_backend/cpu/kernels/build/.built
-# What an install depends on; the test and bench files have sentinels of their own.
-INSTALL_INPUTS := install.sh backend.proto \
-  $(filter-out requirements-test.txt requirements-bench.txt,$(wildcard requirements*.txt))
+# What install.sh depends on; the tools, test and bench files have sentinels of their own.
+INSTALL_INPUTS := install.sh backend.proto $(filter-out requirements-tools.txt \
+  requirements-test.txt requirements-bench.txt,$(wildcard requirements*.txt))
 
 .PHONY: install run test test-quick test-deps bench protogen clean soak e2e-localai
 
-install: $(VENV)/.installed $(STUBS) $(KERNELS)
+install: $(VENV)/.installed $(STUBS) $(KERNELS) $(VENV)/.tools-installed
 
 # install.sh makes the venv, installs the requirements and the default model's
 # package, generates the stubs and (Linux CPU) tries to apt-install OpenBLAS.
@@ -27,6 +27,12 @@ install: $(VENV)/.installed $(STUBS) $(KERNELS)
 $(VENV)/.installed: $(INSTALL_INPUTS)
 	BUILD_TYPE="$(BUILD_TYPE)" PYTHON="$(PYTHON)" bash install.sh
 	mkdir -p $(VENV) && touch $@
+
+# grpcurl, for the README's commands right after `make run` (LocalAI's install.sh
+# leaves it out: its images don't need it).
+$(VENV)/.tools-installed: $(VENV)/.installed requirements-tools.txt
+	$(PY) -m pip install --quiet -r requirements-tools.txt
+	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.installed requirements-test.txt
 	$(PY) -m pip install --quiet -r requirements-test.txt

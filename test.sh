@@ -3,8 +3,9 @@
 # PYTEST_ADDOPTS="-m unit" picks a layer). Exits with the tests' status.
 #
 # Inside LocalAI (backend/python/mlx, with ../common/libbackend.sh): the venv that
-# install.sh made, the test requirements, then LocalAI's runUnittests. Standalone:
-# `make test-deps` (install.sh and requirements-test.txt, when out of date) first.
+# install.sh made, the tools and test requirements, then LocalAI's runUnittests.
+# Standalone: `make test-deps` (install.sh and the requirements, when out of date)
+# first.
 set -euo pipefail
 
 backend_dir="$(cd "$(dirname "$0")" && pwd)"
@@ -15,7 +16,8 @@ if [ -n "$libbackend" ]; then
     USE_PIP=true
     source "$libbackend"
     ensureVenv
-    python -m pip install --requirement "$backend_dir/requirements-test.txt"
+    python -m pip install --requirement "$backend_dir/requirements-tools.txt" \
+        --requirement "$backend_dir/requirements-test.txt"
     runUnittests
     exit 0  # runUnittests fails the script (set -e) when a test fails
 fi
@@ -25,6 +27,7 @@ if command -v make >/dev/null 2>&1; then
     make --no-print-directory test-deps
 else
     [ -x venv/bin/python ] || bash install.sh
-    venv/bin/python -m pip install --quiet -r requirements-test.txt
+    venv/bin/python -m pip install --quiet -r requirements-tools.txt \
+        -r requirements-test.txt
 fi
 exec venv/bin/python -m unittest test.py

