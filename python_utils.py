@@ -352,19 +352,14 @@ MAX_JSON_DEPTH = 100
 
 def load_json(field: str, text: str) -> Any:
     """``json.loads`` that refuses nesting deeper than ``MAX_JSON_DEPTH``, naming
-    the field; malformed JSON raises ``json.JSONDecodeError`` as usual."""
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        value = None
-        too_deep = True
-    else:
-        too_deep = json_depth(value) > MAX_JSON_DEPTH
-    if too_deep:
+    the field; malformed JSON raises ``json.JSONDecodeError`` as usual. The depth
+    is read off the text first: deep enough, Python 3.11 and 3.12 raise
+    RecursionError while 3.13 reports the text as malformed."""
+    if json_nesting(text) > MAX_JSON_DEPTH:
         raise InvalidArgument(
             f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels"
         )
-    return value
+    return json.loads(text)
 
 
 def parse_json_field(field: str, text: str) -> Any:
@@ -375,16 +370,16 @@ def parse_json_field(field: str, text: str) -> Any:
         raise InvalidArgument(f"{field}: malformed JSON: {e}") from None
 
 
-def json_depth(value: Any) -> int:
-    """How deeply arrays and objects nest in a decoded JSON value (a scalar is 0)."""
-    deepest = 0
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            pending.extend((child, depth + 1) for child in children)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def json_nesting(text: str) -> int:
+    """How deeply arrays and objects nest in JSON text (a scalar is 0): its
+    brackets outside strings."""
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
     return deepest
 
 

@@ -24,7 +24,7 @@ from python_utils import (
     check_sampling,
     convert_messages,
     encode_prompt,
-    json_depth,
+    json_nesting,
     parse_duration,
     parse_json_field,
     parse_logit_bias,
@@ -281,10 +281,13 @@ def test_deeply_nested_json_is_invalid_argument(text):
         parse_tool_choice(text)
 
 
-def test_json_depth():
-    assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [1]}) == 2
+def test_json_nesting():
+    assert json_nesting("1") == 0 and json_nesting("[]") == 1
+    assert json_nesting('{"a": [1]}') == 2
+    # Brackets inside strings, escaped quotes among them, do not nest.
+    assert json_nesting('["[[{", "\\"[["]') == 1
     deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
-    assert json_depth(parse_json_field("Tools", deepest)) == MAX_JSON_DEPTH
+    assert parse_json_field("Tools", deepest) == json.loads(deepest)
 
 
 def test_parse_logit_bias_refuses_non_finite_biases():
