@@ -285,12 +285,8 @@ class BatchDecoder(Decoder):
         if segments[0]:
             return {}
         segments.pop(0)
-        pending = self._snapshots.get(uid)
-        if not pending:
+        if self._next_snapshot(uid) is None:
             return {}
-        pending.pop(0)
-        if not pending:
-            del self._snapshots[uid]
         kept = copy_prefix(cache, len(tokens)) or copy.deepcopy(cache)
         return {uid: (KVState(kept, list(tokens)),)}
 
@@ -305,15 +301,25 @@ class BatchDecoder(Decoder):
         """Copies of the KV state of each prompt prefix whose prefill just ended."""
         taken: dict[int, list[KVState]] = {}
         for response in prompt_responses:
-            pending = self._snapshots.get(response.uid)
-            if not response.end_of_segment or not pending:
+            if not response.end_of_segment:
                 continue
-            tokens = pending.pop(0)
-            if not pending:
-                del self._snapshots[response.uid]
+            tokens = self._next_snapshot(response.uid)
+            if tokens is None:
+                continue
             cache, _ = self._batch.extract_cache([response.uid])[response.uid]
             taken.setdefault(response.uid, []).append(KVState(cache, list(tokens)))
         return {uid: tuple(states) for uid, states in taken.items()}
+
+    def _next_snapshot(self, uid: int) -> tuple[int, ...] | None:
+        """The prompt prefix a row's ended segment snapshots, taken off its list;
+        None: no snapshot there."""
+        pending = self._snapshots.get(uid)
+        if not pending:
+            return None
+        tokens = pending.pop(0)
+        if not pending:
+            del self._snapshots[uid]
+        return tokens
 
     def _score(self, responses) -> dict[int, Scored]:
         """Logprob entries of the step's tokens, in one evaluation for every row

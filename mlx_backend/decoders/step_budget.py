@@ -236,8 +236,8 @@ class PrefillPacer:
     ) -> None:
         """A step took ``seconds``, with ``decoding`` sequences decoding and
         ``prompt_tokens`` prefilled (``alone``: by a short prompt in a pass of its
-        own); ``joined``: sequences started decoding in it (each with a pass of
-        its own)."""
+        own); ``joined``: sequences started decoding in it (their KV joined the
+        batch's)."""
         if not decoding:
             return
         if not prompt_tokens:
