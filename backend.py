@@ -60,6 +60,7 @@ from mlx_backend.errors import (
     Unimplemented,
 )
 from mlx_backend.formats.base import ChatFormat
+from mlx_backend.gpu.cuda_graphs import configure_graph_cache
 from mlx_backend.models.loading import DEFAULT_MODEL_REF, ModelInfo
 from mlx_backend.output.chat_output import Delta, merge_deltas
 from mlx_backend.output.reply_pipeline import Finished, TokenLogprob
@@ -74,7 +75,7 @@ from mlx_backend.request_parsing import (
     parse_score,
 )
 from mlx_backend.switches import switched_off
-from python_utils import parse_duration, render_sample_chat
+from python_utils import LoadOptions, parse_duration, render_sample_chat
 
 logger = logging.getLogger(__name__)
 
@@ -577,6 +578,8 @@ def main(
     )
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    # Before MLX's first GPU evaluation, which reads these; LoadModel can't resize.
+    configure_graph_cache(os.environ, LoadOptions().max_batch_size)
     if argv is None:
         # A module that runs main() without backend.py's early restart.
         maybe_reexec_with_fast_blas()

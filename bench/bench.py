@@ -7,7 +7,8 @@
    (speculation off, as in stream_generate); with logprobs
    (top 5 alternatives) and under a JSON-schema grammar; Health latency while a
    long generation streams; and where each millisecond per token goes
-   (bench/profile.py). The header names the CPU, its cores, the BLAS and the
+   (bench/profile.py); pacing on and off only on the CPU. The header names the
+   device: the GPU and its MLX backend, or the CPU, its cores, the BLAS and the
    pacing auto chose.
 2. CPU paths (bench/cpu_paths.py; Linux CPU): the stock path (bundled BLAS,
    quantized kernels), float32 weights on OpenBLAS, and the fast path that ``auto``
@@ -55,6 +56,8 @@
    tokens); llama.cpp on the same GGUF and threads as a column (built once from
    its sdist, bench/llama_cpp.py).
 
+Parts 2, 12 and 13 measure the Linux CPU path: elsewhere (a GPU, macOS) they are
+skipped, with the reason among the tables.
 Rounds alternate between the sides so machine noise hits both alike. Results go
 to stdout and bench-results/core.json; the printed tables are appended, with the
 date, the commit and the machine, to bench/RESULTS.md (``--no-results``: not).
@@ -84,7 +87,7 @@ from bench.cpu_step import bench_cpu_step
 from bench.distributed import bench_distributed
 from bench.memory import bench_memory
 from bench.model_families import bench_model_families
-from bench.overhead import bench_overhead, cpu_header
+from bench.overhead import bench_overhead, machine_header
 from bench.prefix import bench_prefix
 from bench.prompt_cache import bench_prompt_cache
 from bench.speculative import bench_speculative
@@ -94,9 +97,13 @@ from mlx_backend.cpu.blas import (
     find_fast_blas,
     maybe_reexec_with_fast_blas,
 )
+from mlx_backend.gpu import device_description
 from mlx_backend.models.gguf import export_mlx_folder
 from mlx_backend.models.loading import default_model_path
 from tests.support import Server
+
+# The parts that measure the Linux CPU path: its BLAS, kernels and decode step.
+CPU_PARTS = {2, 12, 13}
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -127,6 +134,15 @@ def running_server(
     """``running_process``'s stub."""
     with running_process(env, options, model) as server:
         yield server.stub
+
+
+def cpu_part_skipped(device: str) -> str | None:
+    """Why a Linux CPU part doesn't apply here, or None when it does."""
+    if sys.platform != "linux":
+        return "the Linux CPU path's part, not on Linux"
+    if device != "CPU":
+        return f"the Linux CPU path's part, and this runs on the {device}"
+    return None
 
 
 def git_commit() -> str:
@@ -212,8 +228,14 @@ def main(argv: list[str] | None = None) -> None:
         help="don't append the printed tables to bench/RESULTS.md",
     )
     args = parser.parse_args(argv)
-    parts = args.parts
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    device = device_description()
+    skipped = {
+        part: reason
+        for part in sorted(args.parts & CPU_PARTS)
+        if (reason := cpu_part_skipped(device))
+    }
+    parts = args.parts - skipped.keys()
     # The library side runs on the same compute path as the server.
     maybe_reexec_with_fast_blas()
     fast_library = fast_blas_in_use(os.environ)
@@ -221,10 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     report, lines = {}, []
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         fast = stack.enter_context(running_server())
-        header = cpu_header(fast.Status(pb.HealthMessage()).memory.breakdown)
+        header = machine_header(fast.Status(pb.HealthMessage()).memory.breakdown)
+        lines += [f"{part}. skipped: {reason}" for part, reason in skipped.items()]
         if 1 in parts:
-            # Part 1's servers, one per pacing mode; without speculation, which
-            # stream_generate does not do either (part 6 measures it).
+            # Part 1's servers, one per pacing mode (pacing is the CPU's); without
+            # speculation, which stream_generate does not do either (part 6).
+            modes = ("auto", "on", "off") if device == "CPU" else ("auto",)
             with ExitStack() as pinned:
                 servers = {
                     mode: pinned.enter_context(
@@ -232,13 +256,13 @@ def main(argv: list[str] | None = None) -> None:
                             options=(f"cpu_pacing:{mode}", "speculative:off")
                         )
                     )
-                    for mode in ("auto", "on", "off")
+                    for mode in modes
                 }
                 report["overhead"], part = bench_overhead(
                     servers, args.rounds, args.tokens
                 )
             lines += part
-        if 2 in parts and sys.platform == "linux":
+        if 2 in parts:
             # The stock path, OpenBLAS where "auto" picked MKL, and the fast path.
             stubs = {}
             for name, choice in (("stock", "off"), ("openblas", "openblas")):
@@ -318,13 +342,13 @@ def main(argv: list[str] | None = None) -> None:
                 args.admission_runs,
             )
             lines += [""] + part
-    if 12 in parts and sys.platform == "linux":
+    if 12 in parts:
         # After the other parts' servers are gone: its servers run one at a time.
         report["cpu_kernels"], part = bench_cpu_kernels(
             running_process, args.kernel_rounds, args.tokens, args.batch_tokens
         )
         lines += [""] + part
-    if 13 in parts and sys.platform == "linux":
+    if 13 in parts:
         # Its two servers alone, after the other parts' are gone.
         report["cpu_step"], part = bench_cpu_step(
             running_process, args.step_rounds, args.tokens, args.batch_tokens
@@ -342,11 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2))
     sys.stdout.write("\n".join(lines) + f"\nwritten to {out}\n")
     if not args.no_results:
-        linux = sys.platform == "linux"  # parts 2 and 12 run on Linux only
-        ran = [
-            n for n in range(1, 14) if n in parts and (n not in (2, 12, 13) or linux)
-        ]
-        append_results(RESULTS, header, ran, lines)
+        append_results(RESULTS, header, sorted(parts), lines)
         sys.stdout.write(f"appended to {RESULTS}\n")
 
 

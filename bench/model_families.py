@@ -47,7 +47,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
 from bench.batching import grpc_stream, http_stream, mlx_lm_server
-from bench.overhead import cpu_header
+from bench.overhead import machine_header
 from bench.rollback import rollback_lines, rollback_speculation
 from bench.speculative import COPY, decode_rate
 from mlx_backend.models.gguf import save_tokenizer
@@ -468,7 +468,7 @@ def format_lines(report: dict, figures: dict, rounds: int) -> list[str]:
         f"## 10. Model families: a hybrid qwen3_5 of the default model's size "
         f"({rounds} rounds)",
         "",
-        cpu_header(figures),
+        machine_header(figures),
         "",
         f"Random float32 weights, {top['hidden_size']} wide, "
         f"{top['num_hidden_layers']} layers (every {top['full_attention_interval']}th "

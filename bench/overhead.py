@@ -5,7 +5,7 @@ with logprobs and under a JSON-schema grammar; Health latency while a long
 generation streams; and where each millisecond per token goes (bench/profile.py).
 Each side's rate is compared with the library's run next to it. Parts 2 and 3
 (bench/cpu_paths.py, bench/prompt_cache.py) use its prompts, its streamed decode
-and its medians; bench.py its ``cpu_header``.
+and its medians; bench.py its ``machine_header``.
 """
 
 import json
@@ -28,6 +28,7 @@ from bench.batching import percentile
 from bench.profile import process_cpu_seconds, profile_decode
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_cores
 from mlx_backend.cpu.compute_path import prepare_for_cpu
+from mlx_backend.gpu import device_description
 from mlx_backend.models.gguf import load_gguf
 from mlx_backend.models.loading import default_model_path
 
@@ -157,7 +158,7 @@ def median_cpu(runs: list[dict]) -> float | None:
     return None if None in figures else statistics.median(figures)
 
 
-def cpu_header(breakdown) -> str:
+def machine_header(breakdown) -> str:
     """The machine and compute path, so runs on different machines compare."""
     model = platform.processor() or platform.machine()
     with suppress(OSError):
@@ -165,16 +166,20 @@ def cpu_header(breakdown) -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
+    cpu = f"CPU {model}, {physical_cores()} physical cores ({os.cpu_count()} logical)"
+    device = device_description()
+    if device != "CPU":
+        return f"{device}; {cpu}"
     blas = fast_blas_in_use(os.environ) or "MLX's bundled BLAS"
     return (
-        f"CPU {model}, {physical_cores()} physical cores ({os.cpu_count()} logical), "
-        f"BLAS {Path(blas).name} with {breakdown['blas_threads']} threads; "
+        f"{cpu}, BLAS {Path(blas).name} with {breakdown['blas_threads']} threads; "
         f"auto chose pacing {'on' if breakdown['cpu_paced'] else 'off'}"
     )
 
 
 def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[str]]:
-    """Part 1 on servers loaded with cpu_pacing auto, on and off (``servers``)."""
+    """Part 1 on servers loaded with cpu_pacing auto, on and off (``servers``; auto
+    alone on a GPU, where pacing is off)."""
     model, tokenizer, _ = load_gguf(default_model_path())
     model, path = prepare_for_cpu(model, None, None)
     eos = next(iter(tokenizer.eos_token_ids))
@@ -189,6 +194,7 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
             server_decode, servers[name].stub, tokens, eos, servers[name].process.pid
         )
         for name in ("off", "on", "auto")
+        if name in servers
     }
     sides |= {
         "grammar": partial(
@@ -233,8 +239,7 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
     labels = {
         "mlx_lm": "mlx-lm stream_generate",
         "auto": f"gRPC, pacing auto ({chosen})",
-        "on": "gRPC, pacing on",
-        "off": "gRPC, pacing off",
+        **{mode: f"gRPC, pacing {mode}" for mode in ("on", "off") if mode in servers},
         "logprobs": f"  auto + logprobs, top {TOP_LOGPROBS}",
         "grammar": "  auto + JSON-schema grammar",
         "noise": "mlx-lm again (noise)",
@@ -244,7 +249,7 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
         f"1. server overhead: decode {tokens} tokens, {rounds} rounds of neighbouring "
         "runs "
         f"({path.description})",
-        cpu_header(breakdown),
+        machine_header(breakdown),
         pacing[-1] if pacing else "auto pacing: no figures in the server's log",
         f"{'path':<30}{'decode tok/s':>14}{'/ mlx-lm':>10}{'TTFT s':>9}"
         f"{'CPU ms/tok':>12}",
@@ -264,9 +269,10 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
         ]
 
     auto_over = {
-        mode: statistics.median(direct("auto", mode)) for mode in ("on", "off")
+        mode: statistics.median(direct("auto", mode))
+        for mode in ("on", "off")
+        if mode in servers
     }
-    better = min(auto_over, key=auto_over.get)
     grammar_pairs = direct("grammar", "auto")
     grammar = statistics.median(grammar_pairs)
     lines += [
@@ -275,10 +281,16 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
         f"{max(pairs['noise']):.3f} by round",
         f"auto / mlx-lm: plain {ratios['auto']:.3f}, with logprobs "
         f"{ratios['logprobs']:.3f} (goal >= 0.97)",
-        f"auto / the better of on and off: {auto_over[better]:.3f} (auto / "
-        f"{better}), the median over rounds of auto's run over that mode's run "
-        f"before it in the same round (auto / on "
-        f"{auto_over['on']:.3f}, / off {auto_over['off']:.3f}; goal >= 0.97)",
+    ]
+    if auto_over:
+        better = min(auto_over, key=auto_over.get)
+        lines.append(
+            f"auto / the better of on and off: {auto_over[better]:.3f} (auto / "
+            f"{better}), the median over rounds of auto's run over that mode's run "
+            f"before it in the same round (auto / on "
+            f"{auto_over['on']:.3f}, / off {auto_over['off']:.3f}; goal >= 0.97)"
+        )
+    lines += [
         f"auto grammar / auto plain: {grammar:.3f}, the median over rounds of the "
         f"ratio between the two (ranged {min(grammar_pairs):.3f}-"
         f"{max(grammar_pairs):.3f}; goal >= 0.95)",

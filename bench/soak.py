@@ -2,10 +2,14 @@
 
 ``make soak`` (``SOAK_MINUTES=``) or ``python -m bench.soak --minutes M`` from the
 project root. Streaming and unary requests, client cancels and short deadlines,
-seeded and greedy, chat and raw prompts, at 16 at a time. It reports the requests
-done, errors by status code, latency per kind, Health latency and the server's RSS
-over time, and fails on UNKNOWN/INTERNAL (or any other unexpected status), a hang,
-RSS growth of more than 15% after the warm-up, a wrong greedy reference answer at
+JSON-schema grammars and copy requests that speculation takes, seeded and greedy,
+chat and raw prompts of 10 to 4,000 tokens, from 1 to 32 at a time (on a CPU up
+to 16, of up to 450 tokens), a number that changes every few seconds, so the batch
+does. It reports the requests done, errors
+by status code, latency per kind, Health latency and the server's memory over time
+(RSS, and on a GPU the device memory MLX holds), and fails on UNKNOWN/INTERNAL (or
+any other unexpected status), a hang, memory growth of more than 15% after the
+warm-up, MLX's CUDA graph-cache error in the log, a wrong greedy reference answer at
 the end, or an unclean SIGTERM shutdown.
 """
 
@@ -27,21 +31,47 @@ import grpc
 import backend_pb2 as pb
 import backend_pb2_grpc
 from bench.batching import TOPICS, percentile
+from bench.overhead import PROMPT, STORY_SCHEMA
+from mlx_backend.gpu import device_description
 from tests.support import ANSWER, QUESTION, Server, chat, rss_kib
 
 logger = logging.getLogger(__name__)
 
-CONCURRENCY = 16
+PHASE_SECONDS = 6.0  # how long one number of requests at a time lasts
 HANG_LIMIT = 120.0  # seconds any call without its own short deadline may take
 RSS_INTERVAL = 5.0
 HEALTH_INTERVAL = 0.5
 RSS_GROWTH_LIMIT = 0.15
-KINDS = ("stream", "unary", "cancel", "deadline")
-WEIGHTS = (35, 35, 15, 15)
+KINDS = ("stream", "unary", "cancel", "deadline", "grammar", "copy")
+WEIGHTS = (30, 25, 12, 12, 11, 10)
+
+
+@dataclass(frozen=True)
+class Load:
+    """The most requests at a time, and prompt lengths in words (about a token and
+    a half each) with their weights."""
+
+    concurrency: int
+    prompt_words: tuple[tuple[int, int], ...]
+    weights: tuple[int, ...]
+
+
+# A GPU takes batches of 32 and prompts of up to 4,000 tokens; two CPU cores take
+# 16 short ones (longer ones there make every request wait past HANG_LIMIT).
+GPU_LOAD = Load(32, ((10, 100), (100, 1000), (1000, 2600)), (60, 30, 10))
+CPU_LOAD = Load(16, ((10, 60), (60, 300)), (80, 20))
+GRAPH_CACHE_ERROR = "Cache thrashing is happening"
 EXPECTED = {
     "cancel": grpc.StatusCode.CANCELLED,
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+def context(rng: random.Random, words: int) -> str:
+    """``words`` words of prose, from a random place in a repeated paragraph."""
+    paragraph = PROMPT.split()
+    start = rng.randrange(len(paragraph))
+    return " ".join(paragraph[(start + i) % len(paragraph)] for i in range(words))
 
 
 @dataclass
@@ -63,6 +93,8 @@ class Soak:
     stub: backend_pb2_grpc.BackendStub
     pid: int
     seconds: float
+    gpu: bool = False  # the server's memory counts MLX's device memory too
+    load: Load = CPU_LOAD
     calls: list[Call] = field(default_factory=list)
     health: list[float] = field(default_factory=list)
     rss: list[tuple[float, int]] = field(default_factory=list)  # (t, kB)
@@ -72,6 +104,11 @@ class Soak:
     def running(self) -> bool:
         return time.monotonic() - self.start < self.seconds
 
+    def at_a_time(self) -> int:
+        """How many workers send now: a random 1 to the load's concurrency per phase."""
+        phase = int((time.monotonic() - self.start) / PHASE_SECONDS)
+        return random.Random(phase).randint(1, self.load.concurrency)
+
     def request(self, rng: random.Random, kind: str) -> pb.PredictOptions:
         topic = rng.choice(TOPICS)
         # Cancels and deadlines need a long reply to cut into.
@@ -80,17 +117,28 @@ class Soak:
             Tokens=64 if long else rng.randint(8, 64),
             IgnoreEOS=long or rng.random() < 0.3,
         )
+        if kind == "copy":
+            # Greedy and copied from the prompt: n-gram speculation's case.
+            text = context(
+                rng, rng.randint(60, min(400, self.load.prompt_words[-1][1]))
+            )
+            return chat(f"Repeat this text exactly:\n\n{text}", Tokens=64)
+        if kind == "grammar":
+            fields["Grammar"] = STORY_SCHEMA
         if rng.random() < 0.5:
             fields.update(Temperature=rng.uniform(0.5, 1.0), Seed=rng.randint(1, 2**30))
+        low, high = rng.choices(self.load.prompt_words, self.load.weights)[0]
+        text = context(rng, rng.randint(low, high))
         if rng.random() < 0.5:
-            return chat(f"Write a short story about {topic}.", **fields)
-        return pb.PredictOptions(Prompt=f"Once upon a time, {topic}", **fields)
+            return chat(f"{text}\n\nWrite a short story about {topic}.", **fields)
+        return pb.PredictOptions(Prompt=f"{text}\nOnce upon a time, {topic}", **fields)
 
     def one(self, rng: random.Random) -> Call:
         kind = rng.choices(KINDS, WEIGHTS)[0]
         request = self.request(rng, kind)
         timeout = rng.uniform(0.3, 2.0) if kind == "deadline" else HANG_LIMIT
-        unary = kind == "unary" or (kind == "deadline" and rng.random() < 0.5)
+        either = kind in ("deadline", "grammar", "copy")
+        unary = kind == "unary" or (either and rng.random() < 0.5)
         start = time.monotonic()
         try:
             if unary:
@@ -109,6 +157,9 @@ class Soak:
     def worker(self, index: int) -> None:
         rng = random.Random(index)
         while self.running():
+            if index >= self.at_a_time():
+                time.sleep(0.1)
+                continue
             try:
                 self.calls.append(self.one(rng))
             except Exception as e:  # a bug here must not pass for a clean run
@@ -127,19 +178,31 @@ class Soak:
                 )
             time.sleep(HEALTH_INTERVAL)
 
+    def memory_kib(self) -> int | None:
+        """The server's RSS, and on a GPU the device memory MLX holds besides."""
+        kb = rss_kib(self.pid)
+        if kb is None or not self.gpu:
+            return kb
+        try:
+            status = self.stub.Status(pb.HealthMessage(), timeout=HANG_LIMIT)
+        except grpc.RpcError:
+            return None
+        return kb + status.memory.total // 1024
+
     def sample_rss(self) -> None:
         while True:
             t = time.monotonic() - self.start
-            kb = rss_kib(self.pid)
+            kb = self.memory_kib()
             if kb is not None:
                 self.rss.append((t, kb))
             if len(self.rss) % 6 == 1:
                 unexpected = sum(not c.expected for c in self.calls)
                 logger.info(
-                    "t=%3.0fs requests=%d unexpected=%d rss=%s",
+                    "t=%3.0fs requests=%d unexpected=%d at a time=%d memory=%s",
                     t,
                     len(self.calls),
                     unexpected,
+                    self.at_a_time(),
                     f"{kb / 1024:.1f} MiB" if kb else "gone",
                 )
             if kb is None or self.done.wait(RSS_INTERVAL):
@@ -195,7 +258,8 @@ def report_calls(soak: Soak) -> list[str]:
 
 
 def report_rss(soak: Soak, warmup: float) -> list[str]:
-    logger.info("server RSS (MiB) every %.0f s:", RSS_INTERVAL)
+    what = "RSS and device memory" if soak.gpu else "RSS"
+    logger.info("server %s (MiB) every %.0f s:", what, RSS_INTERVAL)
     for i in range(0, len(soak.rss), 6):
         row = soak.rss[i : i + 6]
         logger.info("  %s", " | ".join(f"{t:4.0f}s {kb / 1024:7.1f}" for t, kb in row))
@@ -205,8 +269,9 @@ def report_rss(soak: Soak, warmup: float) -> list[str]:
         return [f"too few RSS samples after the {warmup:.0f} s warm-up"]
     growth = max(after) / base[1] - 1
     logger.info(
-        "RSS growth after warm-up: %.1f MiB at %.0f s -> max %.1f MiB after: %+.1f%% "
+        "%s growth after warm-up: %.1f MiB at %.0f s -> max %.1f MiB after: %+.1f%% "
         "(limit %+.0f%%)",
+        what,
         base[1] / 1024,
         base[0],
         max(after) / 1024,
@@ -214,12 +279,14 @@ def report_rss(soak: Soak, warmup: float) -> list[str]:
         100 * RSS_GROWTH_LIMIT,
     )
     if growth > RSS_GROWTH_LIMIT:
-        return [f"RSS grew {100 * growth:.1f}% after the warm-up"]
+        return [f"{what} grew {100 * growth:.1f}% after the warm-up"]
     return []
 
 
 def final_checks(server: Server) -> list[str]:
     failures = []
+    if GRAPH_CACHE_ERROR in server.logs():
+        failures.append(f"MLX's CUDA graph cache failed: {GRAPH_CACHE_ERROR!r} logged")
     deadline = time.monotonic() + 30
     while server.stub.Status(pb.HealthMessage(), timeout=10).state != (
         pb.StatusResponse.READY
@@ -266,17 +333,23 @@ def main() -> int:
     failures: list[str] = []
     try:
         server.wait_for(pb.StatusResponse.READY)
-        soak = Soak(server.stub, server.process.pid, seconds)
+        device = device_description()
+        gpu = device != "CPU"
+        load = GPU_LOAD if gpu else CPU_LOAD
+        soak = Soak(server.stub, server.process.pid, seconds, gpu=gpu, load=load)
         logger.info(
-            "soak: %.0f s at %d concurrent requests against pid %d, port %d",
+            "soak: %.0f s at 1 to %d requests at a time (a new number every %.0f s) "
+            "against pid %d, port %d, on the %s",
             seconds,
-            CONCURRENCY,
+            load.concurrency,
+            PHASE_SECONDS,
             soak.pid,
             server.port,
+            device,
         )
         threads = [
             threading.Thread(target=soak.worker, args=(i,), daemon=True)
-            for i in range(CONCURRENCY)
+            for i in range(load.concurrency)
         ]
         threads.append(threading.Thread(target=soak.sample_health, daemon=True))
         sampler = threading.Thread(target=soak.sample_rss, daemon=True)

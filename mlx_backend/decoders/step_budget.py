@@ -38,9 +38,13 @@ PROBE_BELOW = 0.8
 SHORT_PROMPT_TOKENS = 64
 # Decode steps alone whose median is a decode step's time.
 DECODE_WINDOW = 9
-# The load-time measurement's chunks: the first warms up, the later ones give a
-# pass's fixed cost and a token's; the quickest of each size counts.
-MEASURE_CHUNKS = (16, 16, 64, 16, 64)
+# The load-time measurement's chunks: warm-ups, then timed ones that give a pass's
+# fixed cost and a token's; the quickest of each size counts. A GPU warms up each
+# size: it compiles kernels for a shape on first use (CUDA: tens of seconds, which
+# made a token of a cold start's first chunk of 64 cost 0.5 s).
+CPU_WARMUP_CHUNKS = (16,)
+GPU_WARMUP_CHUNKS = (16, 64)
+MEASURE_CHUNKS = (16, 64, 16, 64)
 # Once each size has been timed, the chunks stop after this long (MLX's stock
 # BLAS on 2 cores: 6 s for a chunk of 64, 12 s for them all).
 MEASURE_SECONDS = 1.0
@@ -61,7 +65,10 @@ class StepCosts:
 def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
     """Timed on a fresh cache: prefill chunks of two sizes, then decode steps."""
     cache = make_kv_cache(model, options)
-    prompt = mx.array([[(7 * i) % 97 + 1 for i in range(sum(MEASURE_CHUNKS))]])
+    cpu = mx.default_device() == mx.cpu
+    warmup = CPU_WARMUP_CHUNKS if cpu else GPU_WARMUP_CHUNKS
+    length = sum(warmup) + sum(MEASURE_CHUNKS)
+    prompt = mx.array([[(7 * i) % 97 + 1 for i in range(length)]])
     start = 0
 
     def prefill(size: int) -> float:
@@ -72,10 +79,11 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
         start += size
         return time.perf_counter() - tic
 
-    prefill(MEASURE_CHUNKS[0])
+    for size in warmup:
+        prefill(size)
     small, large = min(MEASURE_CHUNKS), max(MEASURE_CHUNKS)
     timed, seconds = [], []
-    for size in MEASURE_CHUNKS[1:]:
+    for size in MEASURE_CHUNKS:
         # Only after a large chunk: the memory peak is the last chunk's.
         done = set(timed) == {small, large} and timed[-1] == large
         if done and sum(seconds) > MEASURE_SECONDS:

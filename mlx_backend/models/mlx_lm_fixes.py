@@ -1,5 +1,5 @@
 """Workarounds for mlx-lm bugs that change generated text, and for attention
-that refuses a quantized KV cache, applied at load.
+that refuses a quantized KV cache or that a device can't run, applied at load.
 
 Each replaces one function or method of an mlx-lm module with a corrected copy,
 and ``tests/unit/test_mlx_lm_fixes.py`` shows what it answers. Drop a fix once the
@@ -9,6 +9,8 @@ pinned mlx-lm has it.
 import mlx.core as mx
 from mlx_lm.models import base, gemma4_text, gpt_oss, nemotron_h
 from mlx_lm.models.ssm import ssm_update
+
+from mlx_backend.gpu import on_cuda
 
 
 def _nemotron_h_ssm(self, hidden_states, B, C, dt, cache, mask):
@@ -36,6 +38,43 @@ def _nemotron_h_ssm(self, hidden_states, B, C, dt, cache, mask):
     return y.reshape(batch, length, self.intermediate_size)
 
 
+def quantized_attention_form() -> str:
+    """How attention reads a quantized KV cache on the default device: "packed"
+    (quantized matmuls on the packed keys and values) or "dequantized" (keys and
+    values dequantized for the fused attention)."""
+    # MLX's CUDA quantized_matmul takes only row-contiguous packed operands, which a
+    # cache's view is not, and its untransposed product only from a naive kernel.
+    return "dequantized" if on_cuda() else "packed"
+
+
+def quantized_attention(
+    queries,
+    keys,
+    values,
+    scale: float,
+    mask,
+    group_size: int = 64,
+    bits: int = 8,
+    sinks=None,
+) -> mx.array:
+    """Attention over quantized keys and values (triples), in the device's form."""
+    if quantized_attention_form() == "dequantized":
+        keys, values = (
+            mx.dequantize(*x, group_size=group_size, bits=bits).astype(queries.dtype)
+            for x in (keys, values)
+        )
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+    if sinks is None:
+        return _MLX_LM_QUANTIZED_ATTENTION(
+            queries, keys, values, scale, mask, group_size=group_size, bits=bits
+        )
+    return _quantized_attention_with_sinks(
+        queries, keys, values, scale, mask, sinks, group_size, bits
+    )
+
+
 def scaled_dot_product_attention(
     queries, keys, values, cache, scale: float, mask, sinks=None
 ) -> mx.array:
@@ -49,12 +88,8 @@ def scaled_dot_product_attention(
     dims = queries.shape[-1]
     packed, scales = keys[0].shape[-1], keys[1].shape[-1]
     bits, group_size = 32 * packed // dims, dims // scales
-    if sinks is None:
-        return base.quantized_scaled_dot_product_attention(
-            queries, keys, values, scale, mask, group_size=group_size, bits=bits
-        )
-    return _quantized_attention_with_sinks(
-        queries, keys, values, scale, mask, sinks, group_size, bits
+    return quantized_attention(
+        queries, keys, values, scale, mask, group_size, bits, sinks=sinks
     )
 
 
@@ -93,12 +128,18 @@ def _quantized_attention_with_sinks(
 
 
 def apply_fixes() -> None:
-    """Patch the mlx-lm classes whose bugs change output, and give quantized KV
-    to the families whose attention refuses it (idempotent)."""
+    """Patch the mlx-lm classes whose bugs change output, give quantized KV to the
+    families whose attention refuses it, and read it in the device's form
+    (idempotent)."""
     nemotron_h.NemotronHMamba2Mixer._ssm = _nemotron_h_ssm
+    base.quantized_scaled_dot_product_attention = quantized_attention
     gpt_oss.scaled_dot_product_attention = scaled_dot_product_attention
     gemma4_text.scaled_dot_product_attention = scaled_dot_product_attention
 
 
-# The unpatched methods, for the tests that show the bugs.
-UNPATCHED = {"nemotron_h": nemotron_h.NemotronHMamba2Mixer._ssm}
+# The unpatched functions, for the tests that show the bugs.
+UNPATCHED = {
+    "nemotron_h": nemotron_h.NemotronHMamba2Mixer._ssm,
+    "quantized_attention": base.quantized_scaled_dot_product_attention,
+}
+_MLX_LM_QUANTIZED_ATTENTION = UNPATCHED["quantized_attention"]

