@@ -62,9 +62,12 @@ def backend_environment(fresh_blas: bool = True) -> dict:
     (and restarts to preload it), as when LocalAI starts it, even though pytest
     runs with one preloaded (make test); else it starts on pytest's, without the
     restart (a second or two of each start)."""
-    if fresh_blas and fast_blas_in_use(os.environ):
-        return blas_choice_environment(os.environ, "auto")
-    return dict(os.environ)
+    # Not the test that happened to start it: a process reading its own environment
+    # (/proc/self/environ) would find that test's id, whatever text it holds.
+    environ = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    if fresh_blas and fast_blas_in_use(environ):
+        return blas_choice_environment(environ, "auto")
+    return environ
 
 
 def write_hostfile(folder: Path, ranks: int) -> Path:
