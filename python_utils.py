@@ -10,6 +10,7 @@ from typing import Any
 
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.formats.registry import check_format_options
+from mlx_backend.formats.rerank import RERANKER_FORMS
 from mlx_backend.switches import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class LoadOptions:
     kernel_activations: str = "float32"
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
+    # Rerank (formats/rerank.py): the form a causal-LM reranker judges documents in
+    # ("qwen3", "yes_no"; "": the model is no reranker), and the instruction it gets
+    # ("": the form's default).
+    reranker: str = ""
+    rerank_instruction: str = ""
     # Replies a stream may hold unread by its client before it is ended.
     max_stream_backlog: int = 256
     # Requests that share a long prompt prefix prefill it once (engine/scheduler.py).
@@ -104,7 +110,7 @@ class LoadOptions:
 
 
 # String options that are paths, whose case matters.
-_CASE_SENSITIVE = {"hostfile", "prompt_cache_dir"}
+_CASE_SENSITIVE = {"hostfile", "prompt_cache_dir", "rerank_instruction"}
 _OPTION_ALIASES = {"temp": "temperature", "penalty": "repetition_penalty"}
 
 
@@ -207,6 +213,10 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
     for name in ("distributed_timeout", "distributed_step_timeout"):
         if not getattr(parsed, name) > 0:
             raise InvalidArgument(f"Options: {name} must be positive")
+    if parsed.reranker not in ("", *RERANKER_FORMS):
+        raise InvalidArgument(
+            f"Options: reranker must be one of {', '.join(RERANKER_FORMS)}"
+        )
     if parsed.embedding_pooling not in EMBEDDING_POOLINGS:
         raise InvalidArgument(
             f"Options: embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}"

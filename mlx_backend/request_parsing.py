@@ -1,6 +1,7 @@
 """Request parsing: each RPC's proto parsed once into a frozen request for the engine."""
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from mlx_backend.formats.grammars import (
     tool_call_grammar,
 )
 from mlx_backend.formats.registry import FRAMINGS
+from mlx_backend.formats.rerank import RERANKER_FORMS, relevance
 from mlx_backend.grammar import CompiledGrammar
 from mlx_backend.models.loading import DEFAULT_MODEL_REF, LoadPlan, ModelInfo
 from mlx_backend.models.lora import make_adapters
@@ -37,6 +39,8 @@ from python_utils import (
     render_chat,
     tools_into_system,
 )
+
+logger = logging.getLogger(__name__)
 
 # The prompt's last tokens, which show whether it opens thinking or a header.
 PROMPT_TAIL_TOKENS = 32
@@ -357,6 +361,75 @@ def parse_score(request, info: ModelInfo) -> ScoreRequest:
     )
 
 
+@dataclass(frozen=True)
+class RerankJob:
+    """A parsed Rerank: one Score of the two answers per document."""
+
+    documents: tuple[str, ...]
+    scores: tuple[ScoreRequest, ...]
+    top_n: int
+    prompt_tokens: int
+
+    def ranked(self, scores: list) -> list[tuple[int, float]]:
+        """(index, relevance) of the best ``top_n`` documents (0, or more than
+        there are: all) from each Score's answers, best first, ties by index."""
+        ranks = [(i, relevance(yes[0], no[0])) for i, (yes, no) in enumerate(scores)]
+        ranks.sort(key=lambda pair: (-pair[1], pair[0]))
+        return ranks[: self.top_n] if 0 < self.top_n < len(ranks) else ranks
+
+
+def parse_rerank(request, info: ModelInfo) -> RerankJob:
+    """Each document's prompt in the model's reranker form (the document cut to
+    fit the context, never the query), as a Score of the two answers."""
+    form = info.reranker
+    if form is None:
+        raise FailedPrecondition(
+            "Rerank: the loaded model is not a reranker (the LoadModel option "
+            f"reranker: one of {', '.join(RERANKER_FORMS)} makes it one)"
+        )
+    if not request.query.strip():
+        raise InvalidArgument("query: the query is empty")
+    if not request.documents:
+        raise InvalidArgument("documents: the list is empty")
+    if request.top_n < 0:
+        raise InvalidArgument("top_n: must not be negative")
+    tokenizer = info.tokenizer
+    scores, total = [], 0
+    room = info.context_size - 1  # the answer's position
+    for i, document in enumerate(request.documents):
+        prompt = encode_prompt(tokenizer, form.text(request.query, document))
+        if len(prompt) > room:
+            cut = _cut_document(tokenizer, form, request.query, document, room)
+            logger.info(
+                "documents[%d]: %d tokens cut to fit the context of %d",
+                i,
+                len(prompt) - len(cut),
+                info.context_size,
+            )
+            prompt = cut
+        candidates = ((form.yes,), (form.no,))
+        scores.append(ScoreRequest(tuple(prompt), candidates, info.load_id))
+        total += len(prompt)
+    return RerankJob(tuple(request.documents), tuple(scores), request.top_n, total)
+
+
+def _cut_document(tokenizer, form, query: str, document: str, room: int) -> list:
+    """The prompt with the document's last tokens cut until it fits ``room``."""
+    words = tokenizer.encode(document, add_special_tokens=False)
+    keep = len(words)
+    while True:
+        text = form.text(query, tokenizer.decode(words[:keep]))
+        prompt = encode_prompt(tokenizer, text)
+        if len(prompt) <= room:
+            return prompt
+        if keep == 0:
+            raise InvalidArgument(
+                f"query: with the judging prompt it takes {len(prompt)} tokens, "
+                f"leaving no room for a document in the context of {room + 1}"
+            )
+        keep = max(0, keep - (len(prompt) - room))
+
+
 def parse_load(request) -> LoadPlan:
     """``ModelOptions`` parsed once into the engine's load plan."""
     options = parse_options(request.Options)
@@ -365,6 +438,9 @@ def parse_load(request) -> LoadPlan:
         raise InvalidArgument("Threads must not be negative")
     if request.Threads:
         options = dataclasses.replace(options, threads=request.Threads)
+    if request.Reranking and not options.reranker:
+        # LocalAI's `reranking: true`: the judging prompt through the chat template.
+        options = dataclasses.replace(options, reranker="yes_no")
     check_prompt_cache_dir(options.prompt_cache_dir)
     adapters = make_adapters(
         request.LoraAdapter,

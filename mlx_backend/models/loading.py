@@ -21,9 +21,15 @@ from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.cpu.kernels import use_kernels
 from mlx_backend.cpu.kernels.fast_ops import route_fast_ops
 from mlx_backend.distributed.sharding import Sharding
+from mlx_backend.errors import InvalidArgument
 from mlx_backend.formats.base import ChatFormat
 from mlx_backend.formats.grammars import has_call_grammar
 from mlx_backend.formats.registry import adopt_chat_format
+from mlx_backend.formats.rerank import (
+    RerankForm,
+    make_rerank_form,
+    recognised_reranker,
+)
 from mlx_backend.grammar import GrammarCompiler
 from mlx_backend.models.checks import (
     check_chat_template,
@@ -334,6 +340,26 @@ class ModelInfo:
     prompt_file_roots: tuple[Path, ...] = ()
     # The KV cache's layers and how the prompt cache reuses their state.
     cache_kinds: CacheKinds = CacheKinds()
+    # How the model judges a document for Rerank (None: it is no reranker).
+    reranker: RerankForm | None = None
+
+
+def _reranker(
+    options: LoadOptions, names: tuple[str, ...], loaded
+) -> RerankForm | None:
+    """The reranker form the option names, or the one the model's name says."""
+    name = options.reranker or recognised_reranker(names, loaded.config)
+    try:
+        form = make_rerank_form(name, options.rerank_instruction, loaded.tokenizer)
+    except InvalidArgument as e:
+        if options.reranker:
+            raise
+        logger.warning("no reranker form for this model: %s", e)
+        return None
+    if form is not None:
+        how = "the option reranker" if options.reranker else "the model's name"
+        logger.info("%s, as %s says", form.describe(), how)
+    return form
 
 
 def prepare_model(
@@ -412,6 +438,7 @@ def prepare_model(
             chat_format.tools.name,
         )
     token_bytes = make_token_bytes(loaded.tokenizer)
+    reranker = _reranker(options, (identity, loaded.source), loaded)
     info = ModelInfo(
         name=identity,
         source=loaded.source,
@@ -425,5 +452,6 @@ def prepare_model(
         token_bytes=token_bytes,
         embeddings=hidden_state_model(loaded.model) is not None,
         grammars=GrammarCompiler(loaded.tokenizer, token_bytes, vocab_size),
+        reranker=reranker,
     )
     return loaded, info

@@ -458,6 +458,7 @@ def test_service_declares_the_text_surface():
         "Status",
         "GetMetrics",
         "Score",
+        "Rerank",
         "ModelMetadata",
     }
 

@@ -1,0 +1,57 @@
+"""Rerankers recognised at load, in-process: a tiny random Qwen3 named like
+Qwen3-Reranker takes Qwen3-Reranker's form without an option, another family named a
+reranker the yes/no form, a model not so named none; and its documents' relevance
+is mlx-lm's own P(yes) against P(no) on the same folder."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load as load_mlx_lm
+
+import backend_pb2 as pb
+from mlx_backend.engine.engine import Engine
+from mlx_backend.formats.rerank import relevance
+from mlx_backend.models.loading import LoadPlan
+from mlx_backend.request_parsing import parse_rerank
+from python_utils import parse_options
+from tests.engine_helpers import log_softmax
+from tests.support import device_tolerance
+
+DOCUMENTS = ("The Seine flows through Paris.", "Bread rises overnight.", "Rivers.")
+
+
+@pytest.mark.parametrize(
+    "family, name, form",
+    [
+        ("qwen3", "tiny-Qwen3-Reranker-0.6B", "qwen3"),
+        ("llama", "tiny-llama-reranker", "yes_no"),
+        ("qwen3", "tiny-qwen3", None),
+    ],
+)
+def test_a_reranker_is_recognised_by_its_name(
+    family_folder, tmp_path, family, name, form
+):
+    folder = shutil.copytree(family_folder(family), tmp_path / name)
+    engine = Engine()
+    try:
+        plan = LoadPlan(identity=name, model=str(folder), options=parse_options([]))
+        engine.load(plan).result()
+        info = engine.info
+        assert (info.reranker.name if info.reranker else None) == form
+        if form is None:
+            return
+        request = pb.RerankRequest(query="Which is about rivers?", documents=DOCUMENTS)
+        job = parse_rerank(request, info)
+        scores = [engine.compute(score).result() for score in job.scores]
+        ours = dict(job.ranked(scores))
+    finally:
+        engine.shutdown()
+    model, _ = load_mlx_lm(str(folder))
+    for i, score in enumerate(job.scores):
+        logits = model(mx.array(score.prompt)[None])[0, -1].astype(mx.float32)
+        logprobs = log_softmax(np.array(logits))
+        yes, no = info.reranker.yes, info.reranker.no
+        expected = relevance(float(logprobs[yes]), float(logprobs[no]))
+        assert ours[i] == pytest.approx(expected, abs=device_tolerance(1e-5))
