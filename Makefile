@@ -94,7 +94,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PIP_ENV) $(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
-# All thirteen parts; the tables are appended to bench/RESULTS.md.
+# All fourteen parts; the tables are appended to bench/RESULTS.md.
 bench: test-deps $(VENV)/.bench-installed
 	$(PY) -m bench.bench
 
@@ -122,7 +122,7 @@ WHEELHOUSE_TAGS = --python-version $(PYTHON_VERSION) $(addprefix --platform ,$(W
 # (the model's package; grpcurl's wrapper, an sdist with none, which pip builds on the
 # target with setuptools from the folder). What is left out goes to skipped.txt, which
 # install.sh reads.
-define WHEELHOUSE_PINS
+define WHEELHOUSE_PINS_PY
 import fnmatch, json, re, sys
 folder, skip, files = sys.argv[1], sys.argv[2], sys.argv[3:]
 norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
@@ -139,7 +139,9 @@ for s in skip:
 open(folder + "/.resolve/pins.txt", "w").write("".join(p + "\n" for p in pins if p not in left_out))
 open(folder + "/skipped.txt", "w").write("".join(p + "\n" for p in left_out))
 endef
-export WHEELHOUSE_PINS
+# Exported to this recipe alone: in every recipe's environment (make test's too) its
+# text would reach the processes under test.
+wheelhouse: export WHEELHOUSE_PINS = $(WHEELHOUSE_PINS_PY)
 
 wheelhouse:
 	@test -f requirements-$(WHEELHOUSE_BUILD).txt || { echo "no requirements-$(WHEELHOUSE_BUILD).txt;" \

@@ -55,6 +55,9 @@
    in-process, and on two servers 1, 8 and 16 streams and prefill (1000 and 4096
    tokens); llama.cpp on the same GGUF and threads as a column (built once from
    its sdist, bench/llama_cpp.py).
+14. Rerank (bench/rerank.py): documents per second for 100 documents of ~200 tokens
+   against one query on a yes/no reranker, the judging prompt and the query shared
+   through the prompt cache against no prompt cache.
 
 Parts 2, 12 and 13 measure the Linux CPU path: elsewhere (a GPU, macOS) they are
 skipped, with the reason among the tables.
@@ -90,6 +93,7 @@ from bench.model_families import bench_model_families
 from bench.overhead import bench_overhead, machine_header
 from bench.prefix import bench_prefix
 from bench.prompt_cache import bench_prompt_cache
+from bench.rerank import bench_rerank
 from bench.speculative import bench_speculative
 from mlx_backend.cpu.blas import (
     blas_choice_environment,
@@ -165,7 +169,7 @@ def append_results(path: Path, header: str, parts: list[int], lines: list[str]) 
     the date (UTC), the commit and the machine's ``header``, then ``lines`` fenced."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ran = ", ".join(map(str, parts))
-    which = "all" if parts == list(range(1, 14)) else ran
+    which = "all" if parts == list(range(1, 15)) else ran
     tables = "\n".join(line.rstrip() for line in lines).strip("\n")
     section = [
         "",
@@ -209,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kernel-rounds", type=int, default=2)
     parser.add_argument("--step-rounds", type=int, default=3)
+    parser.add_argument("--rerank-rounds", type=int, default=2)
     parser.add_argument(
         "--admission-flood-tokens",
         type=int,
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 14)),
+        default=set(range(1, 15)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -329,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
             report["model_families"], part = bench_model_families(
                 running_server, folder, args.families_rounds
             )
+            lines += [""] + part
+        if 14 in parts:
+            report["rerank"], part = bench_rerank(running_server, args.rerank_rounds)
             lines += [""] + part
         if 11 in parts:
             report["admission"], part = bench_admission(
