@@ -13,6 +13,7 @@ from mlx_backend.formats.rerank import (
     make_rerank_form,
     relevance,
 )
+from mlx_backend.request_parsing import RerankJob
 from python_utils import parse_options
 
 
@@ -73,3 +74,13 @@ def test_the_options():
     assert options.rerank_instruction == "Find: Rivers"
     with pytest.raises(InvalidArgument, match="reranker must be one of qwen3, yes_no"):
         parse_options(["reranker:bge"])
+
+
+@pytest.mark.parametrize("top_n, kept", [(0, 4), (2, 2), (4, 4), (9, 4)])
+def test_documents_rank_as_their_answers_say(top_n, kept):
+    # Each document's answer fixed: the logprobs of "yes" and "no" after its prompt.
+    answers = [(-2.0, -0.2), (-0.1, -3.0), (-1.0, -1.0), (-0.1, -3.0)]
+    job = RerankJob(("a", "b", "c", "d"), (), top_n, 0)
+    ranks = job.ranked([[[yes], [no]] for yes, no in answers])
+    assert [i for i, _ in ranks] == [1, 3, 2, 0][:kept]  # twins 1 and 3: by index
+    assert ranks[0][1] == pytest.approx(relevance(-0.1, -3.0))
