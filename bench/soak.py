@@ -94,7 +94,6 @@ class Soak:
     pid: int
     seconds: float
     gpu: bool = False  # the server's memory counts MLX's device memory too
-    load: Load = CPU_LOAD
     calls: list[Call] = field(default_factory=list)
     health: list[float] = field(default_factory=list)
     rss: list[tuple[float, int]] = field(default_factory=list)  # (t, kB)
@@ -103,6 +102,10 @@ class Soak:
 
     def running(self) -> bool:
         return time.monotonic() - self.start < self.seconds
+
+    @property
+    def load(self) -> Load:
+        return GPU_LOAD if self.gpu else CPU_LOAD
 
     def at_a_time(self) -> int:
         """How many workers send now: a random 1 to the load's concurrency per phase."""
@@ -334,9 +337,8 @@ def main() -> int:
     try:
         server.wait_for(pb.StatusResponse.READY)
         device = device_description()
-        gpu = device != "CPU"
-        load = GPU_LOAD if gpu else CPU_LOAD
-        soak = Soak(server.stub, server.process.pid, seconds, gpu=gpu, load=load)
+        soak = Soak(server.stub, server.process.pid, seconds, gpu=device != "CPU")
+        load = soak.load
         logger.info(
             "soak: %.0f s at 1 to %d requests at a time (a new number every %.0f s) "
             "against pid %d, port %d, on the %s",

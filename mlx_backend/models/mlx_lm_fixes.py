@@ -6,6 +6,8 @@ and ``tests/unit/test_mlx_lm_fixes.py`` shows what it answers. Drop a fix once t
 pinned mlx-lm has it.
 """
 
+import functools
+
 import mlx.core as mx
 from mlx_lm.models import base, gemma4_text, gpt_oss, nemotron_h
 from mlx_lm.models.ssm import ssm_update
@@ -38,10 +40,11 @@ def _nemotron_h_ssm(self, hidden_states, B, C, dt, cache, mask):
     return y.reshape(batch, length, self.intermediate_size)
 
 
+@functools.cache
 def quantized_attention_form() -> str:
     """How attention reads a quantized KV cache on the default device: "packed"
     (quantized matmuls on the packed keys and values) or "dequantized" (keys and
-    values dequantized for the fused attention)."""
+    values dequantized for the fused attention); asked once, not per layer."""
     # MLX's CUDA quantized_matmul takes only row-contiguous packed operands, which a
     # cache's view is not, and its untransposed product only from a naive kernel.
     return "dequantized" if on_cuda() else "packed"
