@@ -66,6 +66,7 @@ from mlx_backend.output.chat_output import Delta, merge_deltas
 from mlx_backend.output.reply_pipeline import Finished, TokenLogprob
 from mlx_backend.refusals import describe_error, is_described
 from mlx_backend.request_parsing import (
+    ComputeRequest,
     GenerationRequest,
     check_tokens,
     parse_embedding,
@@ -268,6 +269,15 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             # Also reached when the client cancels: the engine drops the sequence.
             stream.cancel()
 
+    async def _computed(self, request: ComputeRequest):
+        future = self.engine.compute(request)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            # Also reached when the client cancels: the engine drops the work.
+            if not future.done():
+                self.engine.withdraw(future)
+
     async def load(self, request) -> backend_pb2.Result:
         try:
             plan = parse_load(request)
@@ -350,7 +360,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def Embedding(self, request, context):
         info = self._model(request.ModelIdentity)
         parsed = await asyncio.to_thread(parse_embedding, request, info)
-        vector = await asyncio.wrap_future(self.engine.compute(parsed))
+        vector = await self._computed(parsed)
         return backend_pb2.EmbeddingResult(
             embeddings=vector,
             tokens=1,
@@ -363,7 +373,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def Score(self, request, context):
         info = self._model(request.ModelIdentity)
         parsed = await asyncio.to_thread(parse_score, request, info)
-        scores = await asyncio.wrap_future(self.engine.compute(parsed))
+        scores = await self._computed(parsed)
         results = []
         for tokens, logprobs in zip(parsed.candidates, scores):
             total = sum(logprobs)
@@ -395,13 +405,12 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def Rerank(self, request, context):
         info = self._model(request.ModelIdentity)
         job = await asyncio.to_thread(parse_rerank, request, info)
-        futures = [self.engine.compute(score) for score in job.scores]
-        scores = [await asyncio.wrap_future(f) for f in futures]
+        answers = await self._computed(job.judge)
         results = [
             backend_pb2.DocumentResult(
-                index=index, text=job.documents[index], relevance_score=score
+                index=index, text=job.texts[index], relevance_score=score
             )
-            for index, score in job.ranked(scores)
+            for index, score in job.ranked(answers)
         ]
         usage = backend_pb2.Usage(
             total_tokens=job.prompt_tokens, prompt_tokens=job.prompt_tokens

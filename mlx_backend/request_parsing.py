@@ -362,25 +362,49 @@ def parse_score(request, info: ModelInfo) -> ScoreRequest:
 
 
 @dataclass(frozen=True)
+class JudgeRequest:
+    """Documents judged after one shared prefix (the judging prompt, instruction
+    and query): each document's tokens after it, and the two answers whose
+    logprobs are read at each document's last token."""
+
+    prefix: tuple[int, ...]
+    documents: tuple[tuple[int, ...], ...]
+    answers: tuple[int, int]
+    load_id: int = 0
+
+
+@dataclass(frozen=True)
 class RerankJob:
-    """A parsed Rerank: one Score of the two answers per document."""
+    """A parsed Rerank: the documents' texts, the judging the engine runs, and how
+    many results to give."""
 
-    documents: tuple[str, ...]
-    scores: tuple[ScoreRequest, ...]
+    texts: tuple[str, ...]
+    judge: JudgeRequest
     top_n: int
-    prompt_tokens: int
 
-    def ranked(self, scores: list) -> list[tuple[int, float]]:
+    @property
+    def prompt_tokens(self) -> int:
+        """Every document's whole prompt, counted as if prefilled alone."""
+        judge = self.judge
+        return len(judge.prefix) * len(judge.documents) + sum(map(len, judge.documents))
+
+    def ranked(self, answers: list[tuple[float, float]]) -> list[tuple[int, float]]:
         """(index, relevance) of the best ``top_n`` documents (0, or more than
-        there are: all) from each Score's answers, best first, ties by index."""
-        ranks = [(i, relevance(yes[0], no[0])) for i, (yes, no) in enumerate(scores)]
+        there are: all) from each document's answer logprobs, best first, ties by
+        index."""
+        ranks = [(i, relevance(yes, no)) for i, (yes, no) in enumerate(answers)]
         ranks.sort(key=lambda pair: (-pair[1], pair[0]))
         return ranks[: self.top_n] if 0 < self.top_n < len(ranks) else ranks
 
 
+# What ``Engine.compute`` runs a chunk at a time between decode steps.
+ComputeRequest = EmbeddingRequest | ScoreRequest | JudgeRequest
+
+
 def parse_rerank(request, info: ModelInfo) -> RerankJob:
     """Each document's prompt in the model's reranker form (the document cut to
-    fit the context, never the query), as a Score of the two answers."""
+    fit the context, never the query), split into the prefix every prompt shares
+    and each document's own tokens."""
     form = info.reranker
     if form is None:
         raise FailedPrecondition(
@@ -394,7 +418,7 @@ def parse_rerank(request, info: ModelInfo) -> RerankJob:
     if request.top_n < 0:
         raise InvalidArgument("top_n: must not be negative")
     tokenizer = info.tokenizer
-    scores, total = [], 0
+    prompts = []
     room = info.context_size - 1  # the answer's position
     for i, document in enumerate(request.documents):
         prompt = encode_prompt(tokenizer, form.text(request.query, document))
@@ -407,10 +431,25 @@ def parse_rerank(request, info: ModelInfo) -> RerankJob:
                 info.context_size,
             )
             prompt = cut
-        candidates = ((form.yes,), (form.no,))
-        scores.append(ScoreRequest(tuple(prompt), candidates, info.load_id))
-        total += len(prompt)
-    return RerankJob(tuple(request.documents), tuple(scores), request.top_n, total)
+        prompts.append(prompt)
+    # Every document keeps one token of its own, where its answer is read.
+    shared = min(len(common_prefix(prompts)), min(map(len, prompts)) - 1)
+    judge = JudgeRequest(
+        prefix=tuple(prompts[0][:shared]),
+        documents=tuple(tuple(p[shared:]) for p in prompts),
+        answers=(form.yes, form.no),
+        load_id=info.load_id,
+    )
+    return RerankJob(tuple(request.documents), judge, request.top_n)
+
+
+def common_prefix(prompts: list[list[int]]) -> list[int]:
+    """The tokens every prompt starts with."""
+    shortest, longest = min(prompts), max(prompts)
+    for i, (a, b) in enumerate(zip(shortest, longest)):
+        if a != b:
+            return shortest[:i]
+    return shortest
 
 
 def _cut_document(tokenizer, form, query: str, document: str, room: int) -> list:

@@ -172,10 +172,13 @@ class Server:
             time.sleep(0.05)
         raise AssertionError(f"state {state} not reached:\n{self.logs()}")
 
-    def wait_for_log(self, text: str, timeout: float = STARTUP_TIMEOUT) -> None:
-        """Wait until ``text`` is in the log; RuntimeError if the process exits."""
+    def wait_for_log(
+        self, text: str, timeout: float = STARTUP_TIMEOUT, times: int = 1
+    ) -> None:
+        """Wait until ``text`` is in the log ``times`` times; RuntimeError if the
+        process exits."""
         deadline = time.monotonic() + timeout
-        while text not in self.logs():
+        while self.logs().count(text) < times:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"backend did not log {text!r}:\n{self.logs()}")
             time.sleep(0.1)

@@ -20,6 +20,7 @@ from mlx_backend.distributed.lockstep import (
     AbortJobs,
     Add,
     AddJob,
+    DropJob,
     Exit,
     Keep,
     Load,
@@ -105,6 +106,8 @@ class Follower:
                     self._jobs.step(served, lambda: None)
             case AbortJobs():
                 self._jobs.abort(Aborted("aborted on rank 0"))
+            case DropJob(place):
+                self._jobs.drop(place)
             case Ping():
                 pass
 

@@ -19,6 +19,7 @@ from mlx_backend.distributed.lockstep import (
     AbortJobs,
     Add,
     AddJob,
+    DropJob,
     Exit,
     Keep,
     Lockstep,
@@ -148,7 +149,7 @@ class LeaderDecoder(Decoder):
 
 
 class LeaderJobs:
-    """Rank 0's Score and Embedding queue: the workers run every job too."""
+    """Rank 0's Score, Rerank and Embedding queue: the workers run every job too."""
 
     def __init__(self, inner, lockstep: Lockstep):
         self._inner = inner
@@ -172,6 +173,12 @@ class LeaderJobs:
     def abort(self, error: Exception) -> None:
         self._inner.abort(error)
         self._lockstep.record(AbortJobs())
+
+    def withdraw(self, future: Future) -> int | None:
+        place = self._inner.withdraw(future)
+        if place is not None:
+            self._lockstep.record(DropJob(place))
+        return place
 
 
 class Solo:

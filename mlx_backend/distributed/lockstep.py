@@ -97,6 +97,12 @@ class AbortJobs:
 
 
 @dataclass(frozen=True)
+class DropJob:
+    # Where the request was: a waiting one's index, or RUNNING_JOB.
+    place: int
+
+
+@dataclass(frozen=True)
 class Ping:
     pass
 

@@ -29,17 +29,14 @@ from mlx_backend.engine.loop import (
     Stop,
     Submit,
     Turns,
+    Withdraw,
 )
 from mlx_backend.engine.scheduler import Scheduler, admission_refusal
 from mlx_backend.engine.stats import EngineStats, RequestMetrics, Stats
 from mlx_backend.errors import Aborted
 from mlx_backend.models.loading import LoadPlan, ModelInfo
 from mlx_backend.models.tokenizers import forget_tokenizers
-from mlx_backend.request_parsing import (
-    EmbeddingRequest,
-    GenerationRequest,
-    ScoreRequest,
-)
+from mlx_backend.request_parsing import ComputeRequest, GenerationRequest
 from mlx_utils import release_memory
 from python_utils import LoadOptions
 
@@ -101,13 +98,18 @@ class Engine(Turns):
         self._loop.inbox.put(Submit(request, stream))
         return stream
 
-    def compute(self, request: EmbeddingRequest | ScoreRequest) -> Future:
+    def compute(self, request: ComputeRequest) -> Future:
         """An embedding vector, or a Score request's per-token logprobs for each
         candidate, computed a chunk at a time between decode steps."""
         self._check_open()
         future: Future = Future()
         self._loop.inbox.put(Compute(request, future))
         return future
+
+    def withdraw(self, future: Future) -> None:
+        """Drop the work of ``compute``'s ``future``, whose caller went away."""
+        if not self._closed:
+            self._loop.inbox.put(Withdraw(future))
 
     def call(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the engine thread between steps."""
@@ -145,12 +147,14 @@ class Engine(Turns):
     def decoding(self) -> bool:
         return bool(self._scheduler.running)
 
-    def accept(self, message: Submit | Compute | Call) -> None:
+    def accept(self, message: Submit | Compute | Withdraw | Call) -> None:
         match message:
             case Submit():
                 self._scheduler.waiting.append(message)
             case Compute(request, future):
                 self._queue_job(request, future)
+            case Withdraw(future):
+                self._jobs.withdraw(future)
             case Call(fn, args, future):
                 self._run_call(fn, args, future)
         self._publish()
@@ -195,7 +199,7 @@ class Engine(Turns):
             self.served.store.sync()
         self._group.exit()
 
-    def _queue_job(self, request: EmbeddingRequest | ScoreRequest, future) -> None:
+    def _queue_job(self, request: ComputeRequest, future) -> None:
         if not future.set_running_or_notify_cancel():
             return
         refusal = admission_refusal(self.served, request.load_id, self._group.broken)

@@ -1,4 +1,4 @@
-"""The Score and Embedding jobs: work that runs a chunk at a time between decode
+"""The Score, Rerank and Embedding jobs: work that runs a chunk at a time between decode
 steps, and the queue that schedules it."""
 
 import copy
@@ -11,8 +11,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_backend.errors import Aborted
 from mlx_backend.models.loading import hidden_state_model
-from mlx_backend.request_parsing import EmbeddingRequest, ScoreRequest
+from mlx_backend.request_parsing import (
+    ComputeRequest,
+    EmbeddingRequest,
+    JudgeRequest,
+    ScoreRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +122,121 @@ def score_continuations(
     return [row[: len(c)] for row, c in zip(values, continuations)]
 
 
+class JudgeBatch:
+    """Each document's answer logprobs after a shared prefix, a chunk per
+    ``advance``.
+
+    First the prefix tokens missing from ``cache`` run, one prefill chunk at a
+    time; then the documents, shortest first, in groups of at most ``max_rows``
+    rows over copies of the prefix's cache, right-padded (causal attention keeps
+    the padding out of the real positions), about ``step_size`` tokens a chunk.
+    A row's answers are read at its last token, through ``head`` (the output
+    layer alone) where the model has one, else through the whole model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        head: Callable[[mx.array], mx.array] | None,
+        cache: list,
+        rest: Sequence[int],
+        request: JudgeRequest,
+        step_size: int,
+        max_rows: int,
+    ):
+        self._model = model
+        self._head = head
+        self._body = hidden_state_model(model) if head is not None else None
+        self.cache = cache
+        self._rest = list(rest)
+        self._prefix = len(request.prefix)
+        self._documents = request.documents
+        self._answers = mx.array(request.answers)
+        self._step = step_size
+        self._max_rows = max_rows
+        self._waiting = sorted(range(len(self._documents)), key=self._length)
+        self._group: _JudgeGroup | None = None
+        self.answers: list[tuple[float, float]] = [(0.0, 0.0)] * len(self._documents)
+
+    def advance(self) -> bool:
+        """Run the next chunk; True when every document is judged."""
+        if self._rest:
+            chunk, self._rest = self._rest[: self._step], self._rest[self._step :]
+            self._model(mx.array(chunk)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            return False
+        if self._group is None:
+            self._group = self._next_group()
+        group = self._group
+        start, end = group.done, min(group.done + group.columns, group.width)
+        inputs = group.tokens[:, start:end]
+        model = self._model if self._head is None else self._body
+        outputs = model(inputs, cache=group.cache)
+        ending = [r for r, last in enumerate(group.lasts) if start <= last < end]
+        if ending:
+            at = mx.array([group.lasts[r] - start for r in ending])
+            picked = outputs[mx.array(ending), at]
+            if self._head is not None:
+                picked = self._head(picked[None])[0]
+            values = _normalize(picked)[:, self._answers]
+            mx.eval(values, [c.state for c in group.cache])
+            for r, pair in zip(ending, values.tolist()):
+                self.answers[group.indices[r]] = tuple(pair)
+        else:
+            mx.eval([c.state for c in group.cache])
+        group.done = end
+        if end == group.width:
+            self._group = None
+        return self._group is None and not self._waiting
+
+    def _length(self, index: int) -> int:
+        return len(self._documents[index])
+
+    def _next_group(self) -> "_JudgeGroup":
+        # At least 16 columns a chunk, about step_size tokens in all.
+        rows = min(self._max_rows, max(1, self._step // 16))
+        if not self._prefix or not all(hasattr(c, "merge") for c in self.cache):
+            rows = 1
+        width = self._length(self._waiting[min(rows, len(self._waiting)) - 1])
+        # A row's copy grows from the prefix's KV by its own tokens'.
+        prefix_bytes = sum(c.nbytes for c in self.cache)
+        row_bytes = max(
+            prefix_bytes * (self._prefix + width) // max(self._prefix, 1), 1
+        )
+        rows = max(1, min(rows, SCORE_COPY_BYTES // row_bytes))
+        indices, self._waiting = self._waiting[:rows], self._waiting[rows:]
+        width = self._length(indices[-1])
+        tokens = [
+            list(self._documents[i]) + [0] * (width - self._length(i)) for i in indices
+        ]
+        if len(indices) == 1:
+            cache = copy.deepcopy(self.cache)
+        else:
+            cache = [type(c).merge([c] * len(indices)) for c in self.cache]
+        return _JudgeGroup(
+            indices=indices,
+            tokens=mx.array(tokens),
+            lasts=[self._length(i) - 1 for i in indices],
+            cache=cache,
+            columns=max(16, self._step // len(indices)),
+            width=width,
+        )
+
+
+@dataclass
+class _JudgeGroup:
+    """Documents judged together: their rows, padded tokens, each row's last
+    position and the copies of the prefix's cache they run over."""
+
+    indices: list[int]
+    tokens: mx.array
+    lasts: list[int]
+    cache: list
+    columns: int
+    width: int
+    done: int = 0
+
+
 class EmbeddingBatch:
     """Pooled final hidden states of several token lists, one chunk per ``advance``.
 
@@ -170,6 +291,10 @@ class EmbeddingBatch:
         return (pooled / norms).tolist()
 
 
+# ``JobQueue.withdraw``'s place of the running job.
+RUNNING_JOB = -1
+
+
 @dataclass
 class _Job:
     """``start()`` makes the work, ``work.advance()`` runs a chunk (True when
@@ -182,17 +307,17 @@ class _Job:
 
 
 class JobQueue:
-    """Embedding and Score requests waiting, and the job that runs one chunk of
+    """Embedding, Score and Rerank requests waiting, and the job that runs one chunk of
     them per engine step, on the served model (a ``ServedModel``)."""
 
     def __init__(self):
-        self._waiting: list[tuple[EmbeddingRequest | ScoreRequest, Future]] = []
+        self._waiting: list[tuple[ComputeRequest, Future]] = []
         self._job: _Job | None = None
 
     def __bool__(self) -> bool:
         return bool(self._waiting or self._job)
 
-    def add(self, request: EmbeddingRequest | ScoreRequest, future: Future) -> None:
+    def add(self, request: ComputeRequest, future: Future) -> None:
         self._waiting.append((request, future))
 
     def step(self, served, before_answer: Callable) -> None:
@@ -216,15 +341,44 @@ class JobQueue:
                 if not future.done():
                     future.set_exception(copy.copy(error))
 
+    def withdraw(self, future: Future) -> int | None:
+        """Drop the request whose caller went away: a waiting one at once, the
+        running job once none of its callers waits. Its place, for a group's
+        other ranks to ``drop`` alike; None when nothing was dropped."""
+        if self._job is not None and future in self._job.futures:
+            future.set_exception(Aborted("the request was cancelled"))
+            if not all(f.done() for f in self._job.futures):
+                return None
+            place = RUNNING_JOB
+        else:
+            waiting = [f for _, f in self._waiting]
+            if future not in waiting:
+                return None
+            place = waiting.index(future)
+            future.set_exception(Aborted("the request was cancelled"))
+        logger.info("a cancelled %s is dropped", "job" if place < 0 else "request")
+        self.drop(place)
+        return place
+
+    def drop(self, place: int) -> None:
+        """Forget the running job (``RUNNING_JOB``) or the waiting request at
+        ``place``, answering nobody."""
+        if place == RUNNING_JOB:
+            self._job = None
+        else:
+            del self._waiting[place]
+
     def abort(self, error: Exception) -> None:
         """Fail the running job and every waiting request with ``error``."""
         running = self._job.futures if self._job else []
         for future in running + [future for _, future in self._waiting]:
-            future.set_exception(copy.copy(error))
+            if not future.done():  # else withdrawn
+                future.set_exception(copy.copy(error))
         self._job, self._waiting = None, []
 
     def _next_job(self, served) -> _Job:
-        """The first waiting Score, or every waiting embedding up to a batch."""
+        """The first waiting Score or Rerank, or every waiting embedding up to a
+        batch."""
         model, options, store = served.model, served.info.options, served.store
         request, future = self._waiting[0]
         if isinstance(request, ScoreRequest):
@@ -246,6 +400,33 @@ class JobQueue:
                 future.set_result(work.scores)
 
             return _Job([future], start, finish)
+        if isinstance(request, JudgeRequest):
+            del self._waiting[0]
+
+            def start() -> JudgeBatch:
+                kv_cache, rest = store.fetch_shared(request.prefix, request.documents)
+                logger.info(
+                    "judging %d documents after a shared prefix of %d tokens, "
+                    "%d of them cached",
+                    len(request.documents),
+                    len(request.prefix),
+                    len(request.prefix) - len(rest),
+                )
+                return JudgeBatch(
+                    model,
+                    served.head,
+                    kv_cache,
+                    rest,
+                    request,
+                    options.prefill_step_size,
+                    options.max_batch_size,
+                )
+
+            def finish(work: JudgeBatch) -> None:
+                store.keep(work.cache, request.prefix)
+                future.set_result(work.answers)
+
+            return _Job([future], start, finish)
         embeddings = [
             item for item in self._waiting if isinstance(item[0], EmbeddingRequest)
         ][: options.max_batch_size]
@@ -262,6 +443,7 @@ class JobQueue:
 
         def finish(work: EmbeddingBatch) -> None:
             for future, vector in zip(futures, work.vectors()):
-                future.set_result(vector)
+                if not future.done():  # else withdrawn
+                    future.set_result(vector)
 
         return _Job(futures, start, finish)

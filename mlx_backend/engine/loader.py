@@ -11,10 +11,12 @@ op rank 0 sends it, with the same plan.
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_backend.caches.kinds import REUSE_BY_TRIM, CacheKinds, make_cache_kinds
@@ -52,6 +54,7 @@ from mlx_backend.models.loading import (
     ModelInfo,
     load_draft,
     load_model,
+    output_head,
     prepare_model,
 )
 from mlx_backend.models.lora import check_adapters
@@ -71,6 +74,8 @@ class ServedModel:
     store: PromptStore
     # What admission follows; None over a distributed group, which measures nothing.
     budget: MemoryBudget | None = None
+    # The output layer alone, for Rerank's answers (None: through the whole model).
+    head: Callable[[mx.array], mx.array] | None = None
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,15 @@ def prepare(
             decoder.capabilities.batching,
         )
     store.load_folder(options.max_cache_entries)
-    return ServedModel(model, info, decoder, store, budget)
+    # A group's ranks would have to run the head's check together.
+    head = None
+    if info.reranker is not None and lockstep is None:
+        head = output_head(model)
+        logger.info(
+            "Rerank reads its answers through %s",
+            "the output layer alone" if head else "the whole model",
+        )
+    return ServedModel(model, info, decoder, store, budget, head)
 
 
 def _prefill_peak(costs: StepCosts, options: LoadOptions) -> int:

@@ -18,11 +18,7 @@ from dataclasses import dataclass
 
 from mlx_backend.errors import Aborted
 from mlx_backend.output.reply_pipeline import Finished, Output
-from mlx_backend.request_parsing import (
-    EmbeddingRequest,
-    GenerationRequest,
-    ScoreRequest,
-)
+from mlx_backend.request_parsing import ComputeRequest, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +107,13 @@ class Submit:
 
 @dataclass(frozen=True)
 class Compute:
-    request: EmbeddingRequest | ScoreRequest
+    request: ComputeRequest
+    future: Future
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    # A Compute's future whose caller went away.
     future: Future
 
 
@@ -139,7 +141,7 @@ class Turns(ABC):
         """Sequences are running: a new request joins them without a burst wait."""
 
     @abstractmethod
-    def accept(self, message: Submit | Compute | Call) -> None:
+    def accept(self, message: Submit | Compute | Withdraw | Call) -> None:
         """Take one message from the inbox."""
 
     @abstractmethod
@@ -237,6 +239,8 @@ class Loop:
             match message:
                 case Submit(stream=stream):
                     stream.put(Aborted("the backend is shutting down"))
+                case Withdraw():
+                    pass
                 case Compute(future=future) | Call(future=future):
                     if future.set_running_or_notify_cancel():
                         future.set_exception(Aborted("the backend is shutting down"))

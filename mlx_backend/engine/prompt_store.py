@@ -87,6 +87,16 @@ class PromptStore:
         self._counts.prefilled += len(rest)
         return kv_cache, tuple(rest)
 
+    def fetch_shared(
+        self, prefix: tuple[int, ...], rests: tuple[tuple[int, ...], ...]
+    ) -> tuple[list, tuple[int, ...]]:
+        """``fetch`` for a prefix that several prompts share, each going on with
+        one of ``rests``: the counts take every prompt as served from the prefix."""
+        kv_cache, missing = self.fetch(prefix)
+        self._counts.reused += len(prefix) * (len(rests) - 1)
+        self._counts.prefilled += sum(map(len, rests))
+        return kv_cache, missing
+
     def keep(
         self, kv_cache: list, tokens, holders: int = 1, later: bool = False
     ) -> None:

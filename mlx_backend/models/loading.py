@@ -3,6 +3,7 @@ what serving it needs (``ModelInfo``)."""
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
@@ -11,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as load_mlx_folder
 from mlx_lm.utils import load_model as load_mlx_model
@@ -303,6 +305,43 @@ def hidden_state_model(model: nn.Module) -> nn.Module | None:
         inner = getattr(model, name, None)
         if isinstance(inner, nn.Module):
             return inner
+    return None
+
+
+def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The model's output layer, as a function of ``hidden_state_model``'s final
+    hidden states, when it gives the model's own logits; None otherwise.
+
+    Logits at a few chosen positions then cost those positions' output layer, not
+    every position's. Families write the layer differently (its own ``lm_head``, the
+    tied input embeddings, a soft cap or a scale after it), so each candidate is
+    checked against the whole model on a few tokens and the first that matches wins.
+    """
+    body = hidden_state_model(model)
+    if body is None:
+        return None
+    candidates = []
+    if isinstance(model.get("lm_head"), nn.Module):
+        candidates.append(model.lm_head)
+    for name in ("embed_tokens", "embeddings", "word_embeddings", "embedding"):
+        embedding = body.get(name)
+        if isinstance(embedding, nn.Module) and hasattr(embedding, "as_linear"):
+            candidates.append(embedding.as_linear)
+    if not candidates:
+        return None
+    tokens = mx.array([[1, 2, 3]])
+    try:
+        logits = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
+        hidden = body(tokens, cache=make_prompt_cache(model))
+    except Exception as e:
+        logger.info("no output layer apart from the model: %s", describe_error(e))
+        return None
+    for head in candidates:
+        mine = head(hidden)
+        if mine.shape == logits.shape and mx.allclose(
+            mine.astype(mx.float32), logits, rtol=1e-5, atol=1e-6
+        ):
+            return head
     return None
 
 

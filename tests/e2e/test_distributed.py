@@ -2,13 +2,13 @@
 
 A tiny llama whose head counts divide by 2 runs tensor parallel over 2 ranks (the
 worker started with LocalAI's flags) and answers as one process does: greedy text
-for concurrent prompts, seeded sampling, logprobs, a grammar, cancellation, Score
-and Embedding. The default model's first layers (its shapes and 4-bit weights)
-run pipeline parallel over 2 ranks under ``mlx.launch`` and tensor parallel over 3;
-the default model itself, loaded on each rank from its GGUF, runs a pipeline whose
-stage hangs. A killed worker, a missing one and rank 0's shutdown end as the README
-says. (tests/unit/test_distributed.py checks the
-settings and splits without processes.)
+for concurrent prompts, seeded sampling, logprobs, a grammar, cancellation, Score,
+Rerank (a cancelled one dropped on both ranks) and Embedding. The default model's
+first layers (its shapes and 4-bit weights) run pipeline parallel over 2 ranks under
+``mlx.launch`` and tensor parallel over 3; the default model itself, loaded on each
+rank from its GGUF, runs a pipeline whose stage hangs. A killed worker, a missing
+one and rank 0's shutdown end as the README says. (tests/unit/test_distributed.py
+checks the settings and splits without processes.)
 """
 
 import os
@@ -82,7 +82,7 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     srv = Server()
-    load(srv, tiny_model)
+    load(srv, tiny_model, "reranker:yes_no")
     yield srv
     srv.stop()
 
@@ -99,6 +99,7 @@ def group(tiny_model, tmp_path_factory):
             f"hostfile:{hostfile}",
             "distributed_mode:tensor",
             "distributed_step_timeout:8",
+            "reranker:yes_no",
         )
     except BaseException:
         print(worker.logs())
@@ -191,6 +192,30 @@ def test_score_and_embedding_match_one_process(group, reference):
     got = srv.stub.Embedding(embed).embeddings
     expected = reference.stub.Embedding(embed).embeddings
     assert got == pytest.approx(expected, abs=device_tolerance(1e-4))
+
+
+def test_rerank_matches_one_process_and_a_cancelled_one_ends_on_every_rank(
+    group, reference
+):
+    srv, _ = group
+    request = pb.RerankRequest(query=PROMPTS[0], documents=PROMPTS[1:] + PROMPTS[1:2])
+
+    def scores(stub) -> dict[int, float]:
+        return {r.index: r.relevance_score for r in stub.Rerank(request).results}
+
+    expected = scores(reference.stub)
+    got = scores(srv.stub)
+    assert got == pytest.approx(expected, abs=device_tolerance(1e-4))
+    # A Rerank cancelled while it runs is dropped on the worker too: the next one
+    # runs the same collectives on both ranks.
+    long = "The lamp was lit at dusk and kept burning until the dawn. " * 30
+    many = pb.RerankRequest(query=PROMPTS[0], documents=[long] * 256)
+    dropped = srv.logs().count("a cancelled job is dropped")
+    call = srv.stub.Rerank.future(many)
+    srv.wait_for_log("judging 256 documents")
+    call.cancel()
+    srv.wait_for_log("a cancelled job is dropped", 30, times=dropped + 1)
+    assert scores(srv.stub) == pytest.approx(got, abs=device_tolerance(1e-5))
 
 
 def reused_tokens(stub) -> int:

@@ -5,6 +5,7 @@ texts and the tokens counted, and bad requests get statuses naming the field.
 (The 135M model is too small to rank well: only the arithmetic is checked.)"""
 
 import math
+import threading
 import time
 
 import grpc
@@ -20,7 +21,6 @@ from tests.support import (
     device_tolerance,
     error_of,
     run_concurrently,
-    stream_texts,
 )
 
 CONTEXT = 512
@@ -104,23 +104,37 @@ def test_results_are_sorted_with_their_texts_and_cut_to_top_n(reranker):
 
 
 def test_200_documents_beside_two_streams(reranker):
-    """The documents run as Score jobs between decode steps: the streams keep
-    their greedy text and end long before the documents do, and every document is
-    ranked."""
+    """The documents run a chunk at a time between decode steps: while they are
+    judged, the streams go on (no pause near as long as the judging) and keep
+    their greedy text, and every document is ranked."""
     documents = [f"Note {i}: the market opens at {i % 12 + 1}." for i in range(200)]
+    decoding = threading.Event()
 
     def stream():
-        texts, _ = stream_texts(reranker.stub, chat(Tokens=40, IgnoreEOS=True))
-        return "".join(texts), time.monotonic()
+        texts, times = [], []
+        for reply in reranker.stub.PredictStream(chat(Tokens=60, IgnoreEOS=True)):
+            texts.append(reply.message.decode())
+            times.append(time.monotonic())
+            decoding.set()
+        return "".join(texts), times
 
     def documents_ranked():
-        return rerank(reranker.stub, documents=documents), time.monotonic()
+        decoding.wait(60)
+        start = time.monotonic()
+        result = rerank(reranker.stub, documents=documents)
+        return result, start, time.monotonic()
 
-    (first, a), (second, b), (result, end) = run_concurrently(
+    (first, a), (second, b), (result, start, end) = run_concurrently(
         [stream, stream, documents_ranked]
     )
     assert first == second and first.startswith(ANSWER)
-    assert max(a, b) < end
+    for times in a, b:
+        # Up to the judging's end, or the stream's if it ended first.
+        inside = [start] + [t for t in times if start < t < end]
+        inside.append(min(end, times[-1]))
+        assert len(inside) > 4
+        pause = max(later - t for t, later in zip(inside, inside[1:]))
+        assert pause < (end - start) / 3
     assert sorted(r.index for r in result.results) == list(range(200))
 
 
@@ -165,3 +179,20 @@ def test_a_model_that_is_no_reranker_says_how_to_make_it_one(reranker):
                 Model="default", ContextSize=CONTEXT, Options=["reranker:yes_no"]
             )
         ).success
+
+
+def test_a_cancelled_rerank_is_dropped(reranker):
+    """A client that gives up (LocalAI's request ended) frees the engine: the
+    judging stops, and the next Rerank is answered."""
+    long = "Paris is lovely in spring, and the river runs past the old quays. " * 24
+    documents = [f"{i}: {long}" for i in range(256)]
+    dropped = reranker.logs().count("a cancelled job is dropped")
+    call = reranker.stub.Rerank.future(
+        pb.RerankRequest(query=QUERY, documents=documents)
+    )
+    reranker.wait_for_log("judging 256 documents")
+    call.cancel()
+    reranker.wait_for_log("a cancelled job is dropped", 30, times=dropped + 1)
+    assert call.cancelled()
+    result = rerank(reranker.stub, top_n=1)
+    assert result.results[0].index in range(len(DOCUMENTS))

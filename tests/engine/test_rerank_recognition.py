@@ -44,13 +44,13 @@ def test_a_reranker_is_recognised_by_its_name(
             return
         request = pb.RerankRequest(query="Which is about rivers?", documents=DOCUMENTS)
         job = parse_rerank(request, info)
-        scores = [engine.compute(score).result() for score in job.scores]
-        ours = dict(job.ranked(scores))
+        ours = dict(job.ranked(engine.compute(job.judge).result()))
     finally:
         engine.shutdown()
     model, _ = load_mlx_lm(str(folder))
-    for i, score in enumerate(job.scores):
-        logits = model(mx.array(score.prompt)[None])[0, -1].astype(mx.float32)
+    for i, document in enumerate(job.judge.documents):
+        prompt = job.judge.prefix + document
+        logits = model(mx.array(prompt)[None])[0, -1].astype(mx.float32)
         logprobs = log_softmax(np.array(logits))
         yes, no = info.reranker.yes, info.reranker.no
         expected = relevance(float(logprobs[yes]), float(logprobs[no]))

@@ -3,6 +3,7 @@ prompt as it is, the judging prompt through a chat template or as plain text, th
 answer tokens, and relevance as P(yes) against P(no)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,10 +11,11 @@ from mlx_backend.errors import InvalidArgument
 from mlx_backend.formats.rerank import (
     DEFAULT_INSTRUCTION,
     JUDGE,
+    RerankForm,
     make_rerank_form,
     relevance,
 )
-from mlx_backend.request_parsing import RerankJob
+from mlx_backend.request_parsing import JudgeRequest, RerankJob, parse_rerank
 from python_utils import parse_options
 
 
@@ -80,7 +82,49 @@ def test_the_options():
 def test_documents_rank_as_their_answers_say(top_n, kept):
     # Each document's answer fixed: the logprobs of "yes" and "no" after its prompt.
     answers = [(-2.0, -0.2), (-0.1, -3.0), (-1.0, -1.0), (-0.1, -3.0)]
-    job = RerankJob(("a", "b", "c", "d"), (), top_n, 0)
-    ranks = job.ranked([[[yes], [no]] for yes, no in answers])
+    judge = JudgeRequest((5,), ((1,), (2,), (3,), (2,)), (7, 8))
+    job = RerankJob(("a", "b", "c", "d"), judge, top_n)
+    ranks = job.ranked(answers)
     assert [i for i, _ in ranks] == [1, 3, 2, 0][:kept]  # twins 1 and 3: by index
     assert ranks[0][1] == pytest.approx(relevance(-0.1, -3.0))
+
+
+class Letters:
+    """Each character its own token, no BOS."""
+
+    bos_token = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, tokens):
+        return "".join(map(chr, tokens))
+
+
+def letters_info(context_size: int = 4096):
+    form = RerankForm("yes_no", "P|", "|S", "I", yes=7, no=8)
+    return SimpleNamespace(
+        reranker=form, tokenizer=Letters(), context_size=context_size, load_id=3
+    )
+
+
+@pytest.mark.parametrize(
+    "documents",
+    [("alpha", "beta", "alpha"), ("same", "same"), ("one",), ("ab", "abc")],
+)
+def test_documents_split_into_the_prefix_they_share_and_their_own_tokens(documents):
+    info = letters_info()
+    request = SimpleNamespace(query="q", documents=list(documents), top_n=0)
+    job = parse_rerank(request, info)
+    judge = job.judge
+    prompts = [Letters().encode(info.reranker.text("q", d)) for d in documents]
+    assert [list(judge.prefix + d) for d in judge.documents] == prompts
+    # The prefix runs up to where the documents part, each keeping a token.
+    assert min(map(len, judge.documents)) >= 1
+    if len(set(documents)) > 1:
+        assert len({d[0] for d in judge.documents}) > 1
+    else:
+        assert min(map(len, judge.documents)) == 1
+    assert judge.answers == (7, 8) and judge.load_id == 3
+    assert job.texts == documents
+    assert job.prompt_tokens == sum(map(len, prompts))

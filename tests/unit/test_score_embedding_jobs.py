@@ -12,6 +12,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, make_prompt_cache
 
 import mlx_backend.engine.jobs as score_embedding
 from mlx_backend.engine.jobs import (
+    RUNNING_JOB,
     EmbeddingBatch,
     JobQueue,
     ScoreBatch,
@@ -342,3 +343,34 @@ def test_abort_fails_the_running_job_and_every_waiting_request(model):
     queue.add(EmbeddingRequest((1, 2)), after)
     drain(queue, model)
     assert len(after.result(timeout=0)) == 32
+
+
+def test_a_withdrawn_request_is_dropped_and_the_rest_answered(model):
+    store = FakePromptStore(model)
+    queue = JobQueue()
+    score, waiting, kept, left = Future(), Future(), Future(), Future()
+    queue.add(ScoreRequest(prompt=tuple(range(1, 30)), candidates=((3,),)), score)
+    queue.add(EmbeddingRequest((1, 2)), waiting)
+    # Longer than an advance's 16 positions.
+    queue.add(EmbeddingRequest(tuple(range(3, 43))), kept)
+    queue.add(EmbeddingRequest(tuple(range(5, 45))), left)
+    options = SimpleNamespace(**{**vars(OPTIONS), "prefill_step_size": 4})
+    queue.step(served(model, options, store), lambda: None)
+    assert queue.withdraw(waiting) == 0
+    assert queue.withdraw(score) == RUNNING_JOB
+    assert queue.withdraw(score) is None  # already gone
+    for future in score, waiting:
+        error = future.exception(timeout=0)
+        assert type(error) is Aborted and str(error) == "the request was cancelled"
+    # The Score was never finished: nothing of it is kept.
+    assert store.saved == []
+    # One caller of a running batch withdrawn: the batch goes on for the other.
+    queue.step(served(model, options, store), lambda: None)
+    assert queue.withdraw(kept) is None
+    drain(queue, model, options)
+    assert type(kept.exception(timeout=0)) is Aborted
+    np.testing.assert_allclose(
+        left.result(timeout=0),
+        reference_vector(model, tuple(range(5, 45)), "mean"),
+        atol=VECTOR_TOLERANCE,
+    )
