@@ -1,8 +1,9 @@
 """Tiny llamas that tests build: the config (``TINY_LLAMA``); a random draft model
 with the default model's tokenizer (``make_tiny_draft``) and ``FLAT``, the
 speculative decoders' costs tests run drafts with; the default model's first
-layers alone (``make_short_default``); and the same random tiny llama on every
-call (``tiny_model``) with LoRA adapters for it (``write_adapter``)."""
+layers alone (``make_short_default``); the same random tiny llama on every
+call (``tiny_model``) with LoRA adapters for it (``write_adapter``); and a reranker
+whose answers a marker word sets (``make_marker_reranker``)."""
 
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.utils import load_tokenizer
 
 from mlx_backend.models.gguf import export_mlx_folder, save_tokenizer
 from mlx_backend.models.loading import default_model_path
@@ -18,6 +20,11 @@ from mlx_backend.models.loading import default_model_path
 # Speculative decoders' costs where every k costs one pass: each step verifies all
 # it can, so runs are long and the same on every machine.
 FLAT = (1.0,) * 9
+
+# make_marker_reranker's "yes": the marker's share of the positions times the gain,
+# less the bias, over the final norm's scale.
+MARKER_GAIN = 40.0
+MARKER_BIAS = 0.5
 
 # A llama small enough to build in a test; the tests set its vocabulary.
 TINY_LLAMA = {
@@ -137,4 +144,49 @@ def write_adapter(
                 weights[f"{name}.lora_a"] = a
                 weights[f"{name}.lora_b"] = 0.05 * mx.random.normal((rank, out_dims))
     mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    return folder
+
+
+def make_marker_reranker(folder: Path, marker: str) -> Path:
+    """A one-layer llama, the default model's tokenizer, whose answer after a
+    prompt is "yes" the more, the more often the single token `` marker`` occurs
+    in it: a reranker whose ranking is known. Its attention is uniform (no query
+    or key weights) and carries the marker's share of the positions to the
+    output layer, where "yes" gets ``MARKER_GAIN`` times it less
+    ``MARKER_BIAS`` ("no" gets 0), over the final norm's scale."""
+    config = {
+        **TINY_LLAMA,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "intermediate_size": 8,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 2,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    _, metadata = mx.load(str(default_model_path()), return_metadata=True)
+    save_tokenizer(metadata, folder)
+    tokenizer = load_tokenizer(folder)
+    ids = [tokenizer.encode(w, add_special_tokens=False) for w in ("yes", "no")]
+    ids.append(tokenizer.encode(f" {marker}", add_special_tokens=False))
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(f"'yes', 'no' and ' {marker}' must be one token each")
+    yes, no, mark = (i[0] for i in ids)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {k: mx.zeros_like(v) for k, v in tree_flatten(model.parameters())}
+    for name in weights:
+        if name.endswith("norm.weight"):
+            weights[name] = mx.ones_like(weights[name])
+    # Dimension 0: 1 for every token; dimension 1: the marker.
+    embed = mx.zeros((49152, 8)).at[:, 0].add(1.0).at[mark, 1].add(1.0)
+    attention = "model.layers.0.self_attn"
+    weights["model.embed_tokens.weight"] = embed
+    weights[f"{attention}.v_proj.weight"] = mx.zeros((8, 8)).at[2, 1].add(1.0)
+    weights[f"{attention}.o_proj.weight"] = mx.zeros((8, 8)).at[2, 2].add(1.0)
+    head = mx.zeros((49152, 8)).at[yes, 0].add(-MARKER_BIAS)
+    weights["lm_head.weight"] = head.at[yes, 2].add(MARKER_GAIN)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config))
     return folder

@@ -161,6 +161,15 @@ def test_bad_requests_name_the_field(reranker, fields, field):
     assert error.details().startswith(f"{field}:")
 
 
+def test_the_model_identity_is_checked(reranker):
+    named = pb.RerankRequest(query=QUERY, documents=DOCUMENTS, ModelIdentity="default")
+    assert len(reranker.stub.Rerank(named).results) == len(DOCUMENTS)
+    other = pb.RerankRequest(query=QUERY, documents=DOCUMENTS, ModelIdentity="other")
+    error = error_of(reranker.stub.Rerank, other)
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details().startswith("model identity mismatch:")
+
+
 def test_a_model_that_is_no_reranker_says_how_to_make_it_one(reranker):
     stub = reranker.stub
     try:

@@ -1,8 +1,10 @@
 """Rerankers recognised at load, in-process: a tiny random Qwen3 named like
 Qwen3-Reranker takes Qwen3-Reranker's form without an option, another family named a
 reranker the yes/no form, a model not so named none; and its documents' relevance
-is mlx-lm's own P(yes) against P(no) on the same folder."""
+is mlx-lm's own P(yes) against P(no) on the same folder. A reranker built to answer
+"yes" by a marker word ranks documents as it says."""
 
+import math
 import shutil
 
 import mlx.core as mx
@@ -18,6 +20,7 @@ from mlx_backend.request_parsing import parse_rerank
 from python_utils import parse_options
 from tests.engine_helpers import log_softmax
 from tests.support import device_tolerance
+from tests.tiny_models import MARKER_BIAS, make_marker_reranker
 
 DOCUMENTS = ("The Seine flows through Paris.", "Bread rises overnight.", "Rivers.")
 
@@ -55,3 +58,35 @@ def test_a_reranker_is_recognised_by_its_name(
         yes, no = info.reranker.yes, info.reranker.no
         expected = relevance(float(logprobs[yes]), float(logprobs[no]))
         assert ours[i] == pytest.approx(expected, abs=device_tolerance(1e-5))
+
+
+def test_documents_rank_as_a_fixed_reranker_answers(tmp_path):
+    """A reranker whose "yes" grows with a marker word's share of the prompt ranks
+    documents by how often they name it; those without it score the known
+    P(yes) of a prompt without it, tied and so in index order."""
+    folder = make_marker_reranker(tmp_path / "marker-reranker", "lighthouse")
+    documents = (
+        "Bread rises overnight in a warm kitchen.",
+        "The lighthouse keeper climbed the lighthouse stairs to the lighthouse lamp.",
+        "A lighthouse stood on the cape.",
+        "Fish and cloth are sold at the market.",
+        "The lighthouse and the lighthouse bell.",
+    )
+    engine = Engine()
+    try:
+        options = parse_options(["reranker:yes_no"])
+        engine.load(LoadPlan(identity="m", model=str(folder), options=options)).result()
+        request = pb.RerankRequest(
+            query="What stands on the coast?", documents=documents
+        )
+        job = parse_rerank(request, engine.info)
+        ranked = job.ranked(engine.compute(job.judge).result())
+    finally:
+        engine.shutdown()
+    assert [i for i, _ in ranked] == [1, 4, 2, 0, 3]
+    scores = dict(ranked)
+    # Without the marker, "yes" is the bias over the norm of the one dimension
+    # every token has (1 in 8 dimensions).
+    unmarked = relevance(-MARKER_BIAS / math.sqrt(1 / 8), 0.0)
+    assert scores[0] == scores[3] == pytest.approx(unmarked, abs=1e-4)
+    assert scores[2] > 0.5
