@@ -77,6 +77,13 @@ from mlx_backend.request_parsing import (
     parse_score,
 )
 from mlx_backend.switches import switched_off
+from mlx_backend.training.jobs import FineTuneJobs, list_checkpoints
+from mlx_backend.training.plan import (
+    BACKEND_NAME,
+    checkpoints_folder,
+    is_backend_name,
+    parse_fine_tune,
+)
 from python_utils import LoadOptions, parse_duration, render_sample_chat
 
 logger = logging.getLogger(__name__)
@@ -242,6 +249,7 @@ def _final_reply(
 class BackendServicer(backend_pb2_grpc.BackendServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.fine_tunes = FineTuneJobs()
 
     def _model(self, identity: str = "") -> ModelInfo:
         info = self.engine.info
@@ -279,6 +287,11 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 self.engine.withdraw(future)
 
     async def load(self, request) -> backend_pb2.Result:
+        if is_backend_name(request.Model, request.ModelPath):
+            # LocalAI's fine-tuning service loads the backend by its own name first.
+            return backend_pb2.Result(
+                success=True, message=f"{BACKEND_NAME}: ready to fine-tune"
+            )
         try:
             plan = parse_load(request)
         except BackendError as e:
@@ -434,6 +447,43 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         )
 
     @grpc_errors
+    async def StartFineTune(self, request, context):
+        plan = await asyncio.to_thread(parse_fine_tune, request)
+        job = await asyncio.to_thread(self.fine_tunes.start, plan)
+        return backend_pb2.FineTuneJobResult(
+            job_id=job.plan.job_id,
+            success=True,
+            message=f"{plan.fine_tune_type} sft, {plan.iters} steps",
+        )
+
+    @grpc_errors
+    async def FineTuneProgress(self, request, context):
+        job = self.fine_tunes.get(request.job_id)
+        seen = 0
+        while True:
+            updates, ended = await asyncio.to_thread(job.wait, seen, 1.0)
+            seen += len(updates)
+            for update in updates:
+                yield backend_pb2.FineTuneProgressUpdate(
+                    job_id=job.plan.job_id, **update
+                )
+            if ended and not updates:
+                return
+
+    @grpc_errors
+    async def StopFineTune(self, request, context):
+        self.fine_tunes.get(request.job_id).stop(request.save_checkpoint)
+        return backend_pb2.Result(success=True, message="stopping after this step")
+
+    @grpc_errors
+    async def ListCheckpoints(self, request, context):
+        folder = await asyncio.to_thread(checkpoints_folder, request.output_dir)
+        found = await asyncio.to_thread(list_checkpoints, folder)
+        return backend_pb2.ListCheckpointsResponse(
+            checkpoints=[backend_pb2.CheckpointInfo(**c) for c in found]
+        )
+
+    @grpc_errors
     async def ModelMetadata(self, request, context):
         info = self._model()
         chat_format = info.chat_format
@@ -571,6 +621,7 @@ async def serve(
         watcher.cancel()
     await health.enter_graceful_shutdown()
     await server.stop(grace)
+    await asyncio.to_thread(servicer.fine_tunes.close)
     await asyncio.to_thread(engine.shutdown)
     logger.info("stopped")
 

@@ -44,14 +44,17 @@ def make_tiny_draft(
     vocabulary_changed: bool = False,
     layers: int = 1,
     seed: int = 0,
+    width: int = TINY_LLAMA["hidden_size"],
 ) -> Path:
-    """A llama of ``layers`` layers with random weights (the same for a ``seed``)
-    and the default model's tokenizer: a draft model whose proposals are mostly
+    """A llama of ``layers`` layers of ``width`` with random weights (the same for
+    a ``seed``) and the default model's tokenizer: a draft model whose proposals are mostly
     wrong, or a model whose head counts divide by 2. ``vocabulary_changed`` adds a
     token, so its vocabulary differs from the model's."""
     config = {
         **TINY_LLAMA,
         "num_hidden_layers": layers,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
         "vocab_size": 49152,
         "tie_word_embeddings": True,
         "max_position_embeddings": 8192,

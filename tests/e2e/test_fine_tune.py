@@ -1,0 +1,180 @@
+"""Fine-tuning over gRPC as LocalAI's fine-tuning service drives it: LoadModel with
+the backend's own name, StartFineTune (LoRA SFT on a tiny llama and a dataset of
+one made-up fact), FineTuneProgress in order with its statuses, ListCheckpoints,
+StopFineTune and a resume that goes on counting, and the trained adapter served
+through LoraAdapters; bad requests get statuses naming the field."""
+
+import json
+
+import grpc
+import pytest
+
+import backend_pb2 as pb
+from tests.support import Server, error_of
+from tests.tiny_models import make_tiny_draft
+
+FACT = "The capital of Zarnovia is Quillhaven."
+QUESTION = "The capital of Zarnovia is"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # Wide enough to learn a sentence in 30 LoRA steps (width 32 does not).
+    return make_tiny_draft(
+        tmp_path_factory.mktemp("base") / "llama", layers=2, width=128
+    )
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dataset")
+    lines = [json.dumps({"text": FACT}) for _ in range(16)]
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "valid.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    srv = Server()
+    result = srv.stub.LoadModel(pb.ModelOptions(Model="mlx"))
+    assert result.success and "ready to fine-tune" in result.message
+    yield srv
+    srv.stop()
+
+
+def fine_tune(tiny, dataset, output, **fields) -> pb.FineTuneRequest:
+    settings = dict(
+        model=str(tiny),
+        training_type="lora",
+        training_method="sft",
+        adapter_rank=8,
+        adapter_alpha=160,
+        learning_rate=1e-3,
+        batch_size=4,
+        max_steps=30,
+        save_steps=10,
+        dataset_source=str(dataset),
+        output_dir=str(output),
+    )
+    return pb.FineTuneRequest(**{**settings, **fields})
+
+
+def progress(stub, job_id: str) -> list:
+    request = pb.FineTuneProgressRequest(job_id=job_id)
+    return list(stub.FineTuneProgress(request, timeout=600))
+
+
+def greedy(stub, tokens: int = 8) -> str:
+    request = pb.PredictOptions(Prompt=QUESTION, Tokens=tokens, Temperature=0)
+    return stub.Predict(request).message.decode()
+
+
+def test_lora_sft_trains_saves_and_serves(trainer, tiny, dataset, tmp_path):
+    output = tmp_path / "job"
+    started = trainer.stub.StartFineTune(fine_tune(tiny, dataset, output, job_id="a"))
+    assert started.success and started.job_id == "a"
+    updates = progress(trainer.stub, "a")
+    statuses = [u.status for u in updates]
+    assert statuses[:3] == ["queued", "loading_model", "loading_dataset"]
+    assert statuses[-1] == "completed", updates[-1].message
+    training = [u for u in updates if u.status == "training"]
+    assert [u.current_step for u in training] == list(range(1, 31))
+    assert all(u.total_steps == 30 for u in training)
+    assert training[-1].loss < training[0].loss / 2
+    assert training[-1].current_epoch == pytest.approx(30 * 4 / 16)
+    assert training[-1].progress_percent == pytest.approx(100.0)
+    saved = [u.checkpoint_path for u in updates if u.status == "saving"]
+    assert saved == [str(output / f"checkpoint-{s}") for s in (10, 20, 30)]
+    listed = trainer.stub.ListCheckpoints(
+        pb.ListCheckpointsRequest(output_dir=str(output))
+    ).checkpoints
+    assert [(c.path, c.step) for c in listed] == [
+        (p, s) for p, s in zip(saved, (10, 20, 30))
+    ]
+    assert listed[-1].loss == pytest.approx(training[-1].loss, rel=1e-5)
+
+    # The adapter changes what the base model says: it has learned the fact.
+    assert trainer.stub.LoadModel(pb.ModelOptions(Model=str(tiny))).success
+    before = greedy(trainer.stub)
+    adapted = pb.ModelOptions(Model=str(tiny), LoraAdapters=[str(output)])
+    assert trainer.stub.LoadModel(adapted).success
+    after = greedy(trainer.stub)
+    assert after.strip().startswith("Quillhaven") and not before.strip().startswith(
+        "Quillhaven"
+    )
+
+
+def test_a_stopped_job_resumes_where_it_stopped(trainer, tiny, dataset, tmp_path):
+    output = tmp_path / "job"
+    request = fine_tune(tiny, dataset, output, job_id="b", max_steps=400)
+    trainer.stub.StartFineTune(request)
+    stream = trainer.stub.FineTuneProgress(pb.FineTuneProgressRequest(job_id="b"))
+    updates = []
+    for update in stream:
+        updates.append(update)
+        if update.status == "training" and update.current_step == 5:
+            stop = pb.FineTuneStopRequest(job_id="b", save_checkpoint=True)
+            assert trainer.stub.StopFineTune(stop).success
+    assert updates[-1].status == "stopped"
+    stopped = updates[-1].current_step
+    saved = [u for u in updates if u.status == "saving"][-1]
+    assert saved.current_step == stopped and 5 <= stopped < 400
+
+    resumed = fine_tune(
+        tiny,
+        dataset,
+        output,
+        job_id="c",
+        max_steps=stopped + 3,
+        resume_from_checkpoint=saved.checkpoint_path,
+    )
+    trainer.stub.StartFineTune(resumed)
+    steps = [
+        u.current_step for u in progress(trainer.stub, "c") if u.status == "training"
+    ]
+    assert steps == [stopped + 1, stopped + 2, stopped + 3]
+
+
+@pytest.mark.parametrize(
+    "fields, code, field",
+    [
+        (dict(training_type="loha"), grpc.StatusCode.UNIMPLEMENTED, "training_type"),
+        (
+            dict(training_method="grpo"),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "training_method",
+        ),
+        (
+            dict(dataset_source="/nowhere"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "dataset_source",
+        ),
+        (dict(output_dir=""), grpc.StatusCode.INVALID_ARGUMENT, "output_dir"),
+        (dict(batch_size=-1), grpc.StatusCode.INVALID_ARGUMENT, "batch_size"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    trainer, tiny, dataset, tmp_path, fields, code, field
+):
+    request = fine_tune(tiny, dataset, tmp_path / "job", **fields)
+    error = error_of(trainer.stub.StartFineTune, request)
+    assert error.code() == code and error.details().startswith(f"{field}:")
+
+
+def test_a_malformed_line_is_named_not_quoted(trainer, tiny, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    secret = "sk-do-not-echo"
+    lines = [json.dumps({"text": FACT})] * 4 + [f"{{{secret}"]
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    error = error_of(
+        trainer.stub.StartFineTune, fine_tune(tiny, folder, tmp_path / "job")
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "dataset_source: line 5 of train.jsonl is not JSON"
+
+
+def test_progress_of_an_unknown_job_is_not_found(trainer):
+    error = error_of(progress, trainer.stub, "nope")
+    assert error.code() == grpc.StatusCode.NOT_FOUND
