@@ -77,6 +77,7 @@ from mlx_backend.request_parsing import (
     parse_score,
 )
 from mlx_backend.switches import switched_off
+from mlx_backend.training.export import export, parse_export
 from mlx_backend.training.jobs import FineTuneJobs, list_checkpoints
 from mlx_backend.training.plan import (
     BACKEND_NAME,
@@ -482,6 +483,15 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.ListCheckpointsResponse(
             checkpoints=[backend_pb2.CheckpointInfo(**c) for c in found]
         )
+
+    @grpc_errors
+    async def ExportModel(self, request, context):
+        plan = await asyncio.to_thread(parse_export, request)
+        try:
+            wrote = await asyncio.to_thread(export, plan)
+        except BackendError as e:
+            return backend_pb2.Result(success=False, message=str(e))
+        return backend_pb2.Result(success=True, message=f"wrote {wrote}")
 
     @grpc_errors
     async def ModelMetadata(self, request, context):

@@ -1,10 +1,14 @@
 """Fine-tuning over gRPC as LocalAI's fine-tuning service drives it: LoadModel with
 the backend's own name, StartFineTune (LoRA SFT on a tiny llama and a dataset of
 one made-up fact), FineTuneProgress in order with its statuses, ListCheckpoints,
-StopFineTune and a resume that goes on counting, and the trained adapter served
-through LoraAdapters; bad requests get statuses naming the field."""
+StopFineTune and a resume that goes on counting, a killed backend (whole checkpoints
+left, the training process gone), the trained adapter served through
+LoraAdapters, and ExportModel's lora, merged_16bit and merged_4bit folders serving
+what was trained; bad requests get statuses naming the field."""
 
 import json
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -70,11 +74,24 @@ def greedy(stub, tokens: int = 8) -> str:
     return stub.Predict(request).message.decode()
 
 
-def test_lora_sft_trains_saves_and_serves(trainer, tiny, dataset, tmp_path):
-    output = tmp_path / "job"
+@pytest.fixture(scope="module")
+def job_a(trainer, tiny, dataset, tmp_path_factory):
+    """Job "a": 30 steps, a checkpoint every 10; its folder and its updates."""
+    output = tmp_path_factory.mktemp("trained") / "job"
     started = trainer.stub.StartFineTune(fine_tune(tiny, dataset, output, job_id="a"))
     assert started.success and started.job_id == "a"
-    updates = progress(trainer.stub, "a")
+    return output, progress(trainer.stub, "a")
+
+
+@pytest.fixture(scope="module")
+def trained(job_a):
+    output, updates = job_a
+    assert updates[-1].status == "completed"
+    return output / "checkpoint-30"
+
+
+def test_lora_sft_trains_saves_and_serves(trainer, tiny, job_a):
+    output, updates = job_a
     statuses = [u.status for u in updates]
     assert statuses[:3] == ["queued", "loading_model", "loading_dataset"]
     assert statuses[-1] == "completed", updates[-1].message
@@ -178,3 +195,95 @@ def test_a_malformed_line_is_named_not_quoted(trainer, tiny, tmp_path):
 def test_progress_of_an_unknown_job_is_not_found(trainer):
     error = error_of(progress, trainer.stub, "nope")
     assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_killed_backend_leaves_whole_checkpoints_and_no_worker(
+    tiny, dataset, tmp_path
+):
+    output = tmp_path / "job"
+    srv = Server()
+    try:
+        request = fine_tune(
+            tiny, dataset, output, job_id="k", max_steps=400, save_steps=3
+        )
+        srv.stub.StartFineTune(request)
+        workers = children_of(srv.process.pid)
+        assert len(workers) == 1
+        stream = srv.stub.FineTuneProgress(pb.FineTuneProgressRequest(job_id="k"))
+        next(u for u in stream if u.status == "saving")
+        srv.process.kill()
+        srv.process.wait()
+    finally:
+        srv.stop()
+    # The worker sees its input close and ends after its step.
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{workers[0]}").exists():
+        assert time.monotonic() < deadline, "the training process outlived the backend"
+        time.sleep(0.1)
+    folders = sorted(
+        p.name for p in output.iterdir() if p.name.startswith("checkpoint-")
+    )
+    assert folders and not any(output.glob(".*partial"))
+    for name in folders:
+        state = json.loads((output / name / "trainer_state.json").read_text())
+        assert name == f"checkpoint-{state['step']}" and state["step"] % 3 == 0
+        assert (output / name / "adapters.safetensors").stat().st_size > 0
+
+
+@pytest.mark.parametrize("fmt", ["lora", "merged_16bit", "merged_4bit"])
+def test_each_export_serves_what_was_trained(trainer, tiny, trained, tmp_path, fmt):
+    out = tmp_path / fmt
+    request = pb.ExportModelRequest(
+        checkpoint_path=str(trained), output_path=str(out), export_format=fmt
+    )
+    result = trainer.stub.ExportModel(request, timeout=300)
+    assert result.success, result.message
+    if fmt == "lora":
+        assert sorted(p.name for p in out.iterdir()) == [
+            "adapter_config.json",
+            "adapters.safetensors",
+        ]
+        options = pb.ModelOptions(Model=str(tiny), LoraAdapters=[str(out)])
+    else:
+        config = json.loads((out / "config.json").read_text())
+        assert ("quantization" in config) == (fmt == "merged_4bit")
+        options = pb.ModelOptions(Model=str(out))
+    assert trainer.stub.LoadModel(options).success
+    assert greedy(trainer.stub).strip().startswith("Quillhaven")
+
+
+@pytest.mark.parametrize(
+    "fields, code, field",
+    [
+        (dict(export_format="gguf"), grpc.StatusCode.UNIMPLEMENTED, "export_format"),
+        (
+            dict(checkpoint_path="/nowhere"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "checkpoint_path",
+        ),
+        (dict(output_path=""), grpc.StatusCode.INVALID_ARGUMENT, "output_path"),
+    ],
+)
+def test_bad_exports_name_the_field(trainer, trained, tmp_path, fields, code, field):
+    request = pb.ExportModelRequest(
+        **{
+            "checkpoint_path": str(trained),
+            "output_path": str(tmp_path / "out"),
+            "export_format": "lora",
+            **fields,
+        }
+    )
+    error = error_of(trainer.stub.ExportModel, request)
+    assert error.code() == code and error.details().startswith(f"{field}:")
