@@ -442,7 +442,7 @@ def test_proto_matches_the_wire_reference():
         assert declared == fields, message
 
 
-def test_service_declares_the_text_surface():
+def test_service_declares_the_text_rerank_and_fine_tuning_surface():
     methods = {
         m.name for m in backend_pb2.DESCRIPTOR.services_by_name["Backend"].methods
     }
@@ -460,6 +460,11 @@ def test_service_declares_the_text_surface():
         "Score",
         "Rerank",
         "ModelMetadata",
+        "StartFineTune",
+        "FineTuneProgress",
+        "StopFineTune",
+        "ListCheckpoints",
+        "ExportModel",
     }
 
 
