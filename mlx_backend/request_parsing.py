@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,7 +434,7 @@ def parse_rerank(request, info: ModelInfo) -> RerankJob:
             prompt = cut
         prompts.append(prompt)
     # Every document keeps one token of its own, where its answer is read.
-    shared = min(len(common_prefix(prompts)), min(map(len, prompts)) - 1)
+    shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)
     judge = JudgeRequest(
         prefix=tuple(prompts[0][:shared]),
         documents=tuple(tuple(p[shared:]) for p in prompts),
@@ -441,15 +442,6 @@ def parse_rerank(request, info: ModelInfo) -> RerankJob:
         load_id=info.load_id,
     )
     return RerankJob(tuple(request.documents), judge, request.top_n)
-
-
-def common_prefix(prompts: list[list[int]]) -> list[int]:
-    """The tokens every prompt starts with."""
-    shortest, longest = min(prompts), max(prompts)
-    for i, (a, b) in enumerate(zip(shortest, longest)):
-        if a != b:
-            return shortest[:i]
-    return shortest
 
 
 def _cut_document(tokenizer, form, query: str, document: str, room: int) -> list:

@@ -99,8 +99,9 @@ class Engine(Turns):
         return stream
 
     def compute(self, request: ComputeRequest) -> Future:
-        """An embedding vector, or a Score request's per-token logprobs for each
-        candidate, computed a chunk at a time between decode steps."""
+        """An embedding vector, a Score request's per-token logprobs for each
+        candidate, or a Rerank's (yes, no) logprobs for each document, computed a
+        chunk at a time between decode steps."""
         self._check_open()
         future: Future = Future()
         self._loop.inbox.put(Compute(request, future))

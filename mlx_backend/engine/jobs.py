@@ -168,7 +168,8 @@ class JudgeBatch:
         if self._group is None:
             self._group = self._next_group()
         group = self._group
-        start, end = group.done, min(group.done + group.columns, group.width)
+        width = group.tokens.shape[1]
+        start, end = group.done, min(group.done + group.columns, width)
         inputs = group.tokens[:, start:end]
         model = self._model if self._head is None else self._body
         outputs = model(inputs, cache=group.cache)
@@ -185,7 +186,7 @@ class JudgeBatch:
         else:
             mx.eval([c.state for c in group.cache])
         group.done = end
-        if end == group.width:
+        if end == width:
             self._group = None
         return self._group is None and not self._waiting
 
@@ -219,7 +220,6 @@ class JudgeBatch:
             lasts=[self._length(i) - 1 for i in indices],
             cache=cache,
             columns=max(16, self._step // len(indices)),
-            width=width,
         )
 
 
@@ -233,7 +233,6 @@ class _JudgeGroup:
     lasts: list[int]
     cache: list
     columns: int
-    width: int
     done: int = 0
 
 

@@ -4,10 +4,10 @@
 A causal-LM reranker (Qwen3-Reranker, and rerankers built the same way on other
 families) reads an instruction, the query and one document after a fixed judging
 prompt and answers "yes" or "no": a document's relevance is the probability of
-"yes" against "no" at the answer position. Each document is a Score of the two
-answer tokens after its prompt (request_parsing.py's ``parse_rerank``), so documents
-run as Score jobs between decode steps, and the prompt cache shares the judging
-prompt and the query between them.
+"yes" against "no" at the answer position. request_parsing.py's ``parse_rerank``
+splits the documents' prompts into the prefix they share and their own tokens, and
+the engine judges them in batches after that prefix (engine/jobs.py's
+``JudgeBatch``).
 """
 
 import math

@@ -12,17 +12,17 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mlx_backend.caches.prompt_files import confine
 from mlx_backend.errors import InvalidArgument, Unimplemented
 from mlx_backend.refusals import describe_error, describe_path
+from mlx_backend.training.jobs import ROOT
 from mlx_backend.training.plan import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     OUTPUT_ROOT_ENV,
+    inside_root,
 )
 
 EXPORT_FORMATS = ("lora", "merged_16bit", "merged_4bit")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,10 @@ def parse_export(request, environ=os.environ) -> ExportPlan:
             f"export_format: {fmt} is not supported here "
             f"(one of {', '.join(EXPORT_FORMATS)})"
         )
-    roots = [Path(environ[OUTPUT_ROOT_ENV])] if environ.get(OUTPUT_ROOT_ENV) else None
-    paths = {}
-    for name in ("checkpoint_path", "output_path"):
-        value = getattr(request, name)
-        if not value:
-            raise InvalidArgument(f"{name}: is empty")
-        paths[name] = confine(value, roots, name) if roots else Path(value).resolve()
-    checkpoint, output = paths["checkpoint_path"], paths["output_path"]
+    checkpoint, output = (
+        inside_root(getattr(request, name), name, OUTPUT_ROOT_ENV, environ)
+        for name in ("checkpoint_path", "output_path")
+    )
     if not (checkpoint / ADAPTER_CONFIG).is_file():
         raise InvalidArgument(
             f"checkpoint_path: {describe_path(checkpoint)}, not a checkpoint "

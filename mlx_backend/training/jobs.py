@@ -16,6 +16,7 @@ from mlx_backend.training.plan import CHECKPOINT_PREFIX, STATE_FILE, FineTunePla
 logger = logging.getLogger(__name__)
 
 ENDED = ("completed", "failed", "stopped")
+# Where the training and export processes run (``python -m mlx_backend...``).
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -117,10 +118,9 @@ class FineTuneJobs:
             job = FineTuneJob(plan)
             self._jobs[plan.job_id] = job
         logger.info(
-            "fine-tuning job %s: %s %s, %d steps",
+            "fine-tuning job %s: %s sft, %d steps",
             plan.job_id,
             plan.fine_tune_type,
-            "sft",
             plan.iters,
         )
         return job

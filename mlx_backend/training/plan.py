@@ -11,6 +11,7 @@ from pathlib import Path
 from mlx_backend.caches.prompt_files import confine
 from mlx_backend.errors import InvalidArgument, Unimplemented
 from mlx_backend.refusals import describe_path
+from mlx_backend.switches import parse_bool
 
 # A job's output folder: checkpoint-<step> folders, each an mlx-lm adapter folder
 # with the step's state, and the trained adapter itself at the end.
@@ -87,7 +88,7 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
             f"training_type: {kind} is not supported here (one of "
             f"{', '.join(TRAINING_TYPES)}; DoRA is lora with extra_options dora=true)"
         )
-    if kind == "lora" and options.get("dora", "").lower() in ("1", "true", "yes"):
+    if kind == "lora" and _flag(options, "dora"):
         kind = "dora"
     method = (request.training_method or "sft").lower()
     if method not in TRAINING_METHODS:
@@ -169,7 +170,7 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
         grad_checkpoint=request.gradient_checkpointing,
         optimizer=optimizer,
         seed=request.seed,
-        mask_prompt=options.get("mask_prompt", "").lower() in ("1", "true", "yes"),
+        mask_prompt=_flag(options, "mask_prompt"),
         resume_from=resume,
     )
 
@@ -185,16 +186,24 @@ def checkpoints_folder(output_dir: str, environ=os.environ) -> Path:
     return _output_dir(output_dir, environ)
 
 
-def _roots(environ, name: str) -> list[Path] | None:
-    root = environ.get(name, "")
-    return [Path(root)] if root else None
+def _flag(options: dict[str, str], name: str) -> bool:
+    try:
+        return parse_bool(options.get(name, "false"))
+    except ValueError:
+        raise InvalidArgument(f"extra_options: {name} must be true or false") from None
+
+
+def inside_root(path: str, field: str, root_env: str, environ=os.environ) -> Path:
+    """``path`` resolved, and inside the folder environment variable ``root_env``
+    names where it is set."""
+    if not path:
+        raise InvalidArgument(f"{field}: is empty")
+    root = environ.get(root_env, "")
+    return confine(path, [Path(root)], field) if root else Path(path).resolve()
 
 
 def _output_dir(path: str, environ) -> Path:
-    if not path:
-        raise InvalidArgument("output_dir: is empty")
-    roots = _roots(environ, OUTPUT_ROOT_ENV)
-    resolved = confine(path, roots, "output_dir") if roots else Path(path).resolve()
+    resolved = inside_root(path, "output_dir", OUTPUT_ROOT_ENV, environ)
     if resolved.exists() and not resolved.is_dir():
         raise InvalidArgument(f"output_dir: {describe_path(resolved)}, not a folder")
     return resolved
@@ -204,10 +213,7 @@ def _dataset_files(source: str, split: str, environ) -> tuple[Path, Path | None]
     """The training file, and the validation file where the dataset has one: a
     JSONL file, or a folder of ``<split>.jsonl`` (``train`` by default) and
     ``valid.jsonl``."""
-    if not source:
-        raise InvalidArgument("dataset_source: is empty")
-    roots = _roots(environ, DATASET_ROOT_ENV)
-    path = confine(source, roots, "dataset_source") if roots else Path(source)
+    path = inside_root(source, "dataset_source", DATASET_ROOT_ENV, environ)
     if path.is_dir():
         train = path / f"{split or 'train'}.jsonl"
         if not train.is_file():

@@ -94,9 +94,6 @@ class Reporter(TrainingCallback):
         self._began = time.monotonic()
         self.last = Progress("training", start, plan.iters, total_epochs=plan.epochs)
 
-    def send(self, progress: Progress) -> None:
-        send(self._out, progress)
-
     def on_train_loss_report(self, info: dict) -> None:
         plan = self._plan
         step = self._start + info["iteration"]
@@ -120,7 +117,7 @@ class Reporter(TrainingCallback):
                 "peak_memory_gb": info["peak_memory"],
             },
         )
-        self.send(self.last)
+        send(self._out, self.last)
         if step % plan.save_steps == 0 and step < plan.iters:
             self.checkpoint(step)
         if self._commands.stop:
@@ -133,7 +130,8 @@ class Reporter(TrainingCallback):
 
     def checkpoint(self, step: int) -> Path:
         path = save_checkpoint(self._plan, self._model, step, self.last)
-        self.send(
+        send(
+            self._out,
             Progress(
                 "saving",
                 current_step=step,
@@ -143,7 +141,7 @@ class Reporter(TrainingCallback):
                 loss=self.last.loss,
                 progress_percent=self.last.progress_percent,
                 checkpoint_path=str(path),
-            )
+            ),
         )
         return path
 
@@ -224,6 +222,7 @@ def run(plan: FineTunePlan, out, commands: Commands) -> None:
     total = dict(total_steps=plan.iters, total_epochs=plan.epochs)
     Path(plan.output_dir).mkdir(parents=True, exist_ok=True)
     send(out, Progress("loading_model", **total))
+    # This process runs one job: the global RNG is the job's own.
     mx.random.seed(plan.seed)
     loaded = load_model(plan.model)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -169,6 +169,11 @@ def test_a_stopped_job_resumes_where_it_stopped(trainer, tiny, dataset, tmp_path
         ),
         (dict(output_dir=""), grpc.StatusCode.INVALID_ARGUMENT, "output_dir"),
         (dict(batch_size=-1), grpc.StatusCode.INVALID_ARGUMENT, "batch_size"),
+        (
+            dict(extra_options={"dora": "maybe"}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "extra_options",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(
