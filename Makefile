@@ -94,7 +94,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PIP_ENV) $(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
-# All fourteen parts; the tables are appended to bench/RESULTS.md.
+# All fifteen parts; the tables are appended to bench/RESULTS.md.
 bench: test-deps $(VENV)/.bench-installed
 	$(PY) -m bench.bench
 

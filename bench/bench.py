@@ -58,6 +58,10 @@
 14. Rerank (bench/rerank.py): documents per second for 100 documents of ~200 tokens
    against one query on a yes/no reranker, the judging prompt and the query shared
    through the prompt cache against no prompt cache.
+15. Fine-tuning (bench/fine_tune.py): SFT LoRA training tokens/s, job seconds and
+   peak memory on the embedded model through StartFineTune, against mlx_lm lora on
+   the same weights and LocalAI's trl path (torch, peft and trl in an environment
+   of their own) on the same data and settings.
 
 Parts 2, 12 and 13 measure the Linux CPU path: elsewhere (a GPU, macOS) they are
 skipped, with the reason among the tables.
@@ -88,6 +92,7 @@ from bench.cpu_kernels import bench_cpu_kernels
 from bench.cpu_paths import bench_cpu_paths
 from bench.cpu_step import bench_cpu_step
 from bench.distributed import bench_distributed
+from bench.fine_tune import bench_fine_tune
 from bench.memory import bench_memory
 from bench.model_families import bench_model_families
 from bench.overhead import bench_overhead, machine_header
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernel-rounds", type=int, default=2)
     parser.add_argument("--step-rounds", type=int, default=3)
     parser.add_argument("--rerank-rounds", type=int, default=2)
+    parser.add_argument("--fine-tune-rounds", type=int, default=2)
     parser.add_argument(
         "--admission-flood-tokens",
         type=int,
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 15)),
+        default=set(range(1, 16)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -348,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
                 args.batch_tokens,
                 args.admission_flood_tokens,
                 args.admission_runs,
+            )
+            lines += [""] + part
+        if 15 in parts:
+            report["fine_tune"], part = bench_fine_tune(
+                running_server, exported, args.fine_tune_rounds
             )
             lines += [""] + part
     if 12 in parts:

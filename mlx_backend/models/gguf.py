@@ -63,6 +63,12 @@ _TOP_NAMES = {
 }
 
 
+_GGUF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_GGUF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+# general.file_type of a file whose tensors are F16 (llama.cpp's LLAMA_FTYPE_MOSTLY_F16).
+_F16_FILE = 1
+
+
 class GGUFError(ValueError, Described):
     """The GGUF file is not one this loader supports. Its message never quotes the
     file: a name or value read from it is shown only when it is one this module
@@ -110,6 +116,30 @@ def translate_name(name: str) -> str:
     if base not in _TOP_NAMES:
         raise GGUFError("a tensor is not one a llama model has")
     return f"{_TOP_NAMES[base]}.{suffix}"
+
+
+def gguf_name(name: str) -> str:
+    """``translate_name``'s inverse: mlx-lm's llama name to the GGUF tensor name."""
+    base, suffix = name.rsplit(".", 1)
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    if match:
+        layer, part = match.groups()
+        return f"blk.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+    return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
+
+
+def save_gguf_f16(weights: dict[str, mx.array], base: str | Path, path: Path) -> None:
+    """Write llama ``weights`` (as ``load_gguf`` names and lays them out) as an
+    F16 GGUF file that keeps the ``base`` GGUF's metadata: its architecture,
+    hyperparameters and tokenizer. Norms stay float32, as llama.cpp writes them."""
+    _, metadata = mx.load(str(base), format="gguf", return_metadata=True)
+    metadata = {**metadata, "general.file_type": mx.array(_F16_FILE, mx.uint32)}
+    metadata.pop("general.quantization_version", None)
+    tensors = {
+        gguf_name(k): v.astype(mx.float32 if "norm" in k else mx.float16)
+        for k, v in weights.items()
+    }
+    mx.save_gguf(str(path), tensors, metadata)
 
 
 def make_config(metadata: dict, weights: dict) -> dict:

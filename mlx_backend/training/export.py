@@ -22,7 +22,10 @@ from mlx_backend.training.plan import (
     inside_root,
 )
 
-EXPORT_FORMATS = ("lora", "merged_16bit", "merged_4bit")
+EXPORT_FORMATS = ("lora", "merged_16bit", "merged_4bit", "gguf")
+GGUF_FILE = "model-f16.gguf"
+# The families mlx-lm's GGUF converter writes (with a SentencePiece vocabulary).
+MLX_LM_GGUF_TYPES = ("llama", "mistral", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,55 @@ def parse_export(request, environ=os.environ) -> ExportPlan:
     base = request.model or trained_on
     if fmt != "lora" and not base:
         raise InvalidArgument("model: the checkpoint does not name its base model")
+    if fmt == "gguf":
+        if request.quantization_method not in ("", "f16"):
+            raise Unimplemented(
+                "quantization_method: gguf is written in f16 here (quantize it with "
+                "llama.cpp's llama-quantize)"
+            )
+        why = gguf_refusal(base)
+        if why:
+            raise Unimplemented(f"export_format: gguf {why}")
     return ExportPlan(str(checkpoint), str(output), fmt, base)
+
+
+def _gguf_base(base: str) -> Path | None:
+    """The GGUF file ``base`` names (``default``: the embedded model), if any."""
+    from mlx_backend.models.loading import default_model_path
+
+    if base == "default":
+        return default_model_path()
+    return Path(base) if Path(base).is_file() else None
+
+
+def gguf_refusal(base: str) -> str | None:
+    """Why a model fused onto ``base`` cannot be written as GGUF here, or None.
+
+    A GGUF base is written back with its own metadata and tokenizer. An MLX folder
+    goes through mlx-lm's converter, which writes llama-family weights with a
+    SentencePiece vocabulary, so a byte-level BPE tokenizer would come out wrong.
+    """
+    if _gguf_base(base) is not None:
+        return None
+    folder = Path(base)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return "needs a GGUF base, or an MLX folder with config.json and tokenizer.json"
+    if config.get("model_type") not in MLX_LM_GGUF_TYPES:
+        return (
+            "is written from a GGUF base, or from an MLX folder of a "
+            f"{', '.join(MLX_LM_GGUF_TYPES)} model (mlx-lm's converter)"
+        )
+    if config.get("rope_traditional"):
+        return "from this folder: its weights are in GGUF's layout already (export from its GGUF file)"
+    if "ByteLevel" in json.dumps(tokenizer.get("pre_tokenizer")):
+        return (
+            "from this folder: mlx-lm's converter writes a SentencePiece vocabulary, "
+            "and this model's tokenizer is byte-level BPE (export from a GGUF base)"
+        )
+    return None
 
 
 def export(plan: ExportPlan) -> str:
@@ -93,17 +144,17 @@ def export(plan: ExportPlan) -> str:
 
 def _fuse(plan: ExportPlan) -> str:
     import mlx.core as mx
-    from mlx.utils import tree_unflatten
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.gguf import convert_to_gguf
     from mlx_lm.utils import dequantize_model, load, quantize_model, save
 
-    from mlx_backend.models.gguf import export_mlx_folder
-    from mlx_backend.models.loading import default_model_path
+    from mlx_backend.models.gguf import export_mlx_folder, save_gguf_f16
 
     with tempfile.TemporaryDirectory() as scratch:
         base = plan.base
-        if base == "default" or Path(base).is_file():
+        gguf = _gguf_base(base)
+        if gguf is not None:
             # A GGUF base becomes an MLX folder first, as mlx-lm loads folders.
-            gguf = default_model_path() if base == "default" else Path(base)
             base = str(export_mlx_folder(gguf, Path(scratch) / "base", dequantize=True))
         model, tokenizer, config = load(
             base, adapter_path=plan.checkpoint, return_config=True
@@ -119,6 +170,15 @@ def _fuse(plan: ExportPlan) -> str:
         config.pop("quantization_config", None)
         model.set_dtype(mx.float16)
         config["torch_dtype"] = "float16"
+        if plan.export_format == "gguf":
+            output = Path(plan.output)
+            output.mkdir(parents=True, exist_ok=True)
+            weights = dict(tree_flatten(model.parameters()))
+            if gguf is not None:
+                save_gguf_f16(weights, gguf, output / GGUF_FILE)
+            else:
+                convert_to_gguf(Path(base), weights, config, str(output / GGUF_FILE))
+            return f"the F16 GGUF file {output / GGUF_FILE}"
         if plan.export_format == "merged_4bit":
             model, config = quantize_model(model, config, group_size=64, bits=4)
         save(plan.output, base, model, tokenizer, config, donate_model=False)

@@ -118,9 +118,10 @@ class FineTuneJobs:
             job = FineTuneJob(plan)
             self._jobs[plan.job_id] = job
         logger.info(
-            "fine-tuning job %s: %s sft, %d steps",
+            "fine-tuning job %s: %s %s, %d steps",
             plan.job_id,
             plan.fine_tune_type,
+            plan.method,
             plan.iters,
         )
         return job

@@ -12,6 +12,7 @@ from mlx_backend.caches.prompt_files import confine
 from mlx_backend.errors import InvalidArgument, Unimplemented
 from mlx_backend.refusals import describe_path
 from mlx_backend.switches import parse_bool
+from mlx_backend.training.preference import DEFAULT_BETA, PREFERENCE_METHODS
 
 # A job's output folder: checkpoint-<step> folders, each an mlx-lm adapter folder
 # with the step's state, and the trained adapter itself at the end.
@@ -23,9 +24,13 @@ STATE_FILE = "trainer_state.json"
 # LocalAI's name for this backend: its fine-tuning service loads it by that name.
 BACKEND_NAME = "mlx"
 
-# What trains here: mlx-lm's tuner does LoRA, DoRA and full fine-tuning with SFT.
+# What trains here: mlx-lm's tuner does LoRA, DoRA and full fine-tuning with SFT,
+# and with the preference losses of ``preference.py``.
 TRAINING_TYPES = ("lora", "full")
-TRAINING_METHODS = ("sft",)
+TRAINING_METHODS = ("sft", *PREFERENCE_METHODS)
+# The dataset forms: each method's, and what the others train on.
+PREFERENCE_FORM = "prompt, chosen and rejected"
+SFT_FORMS = "text, messages, or prompt and completion"
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "muon")
 # The roots LocalAI's trl backend reads: output folders and datasets must lie in them.
 OUTPUT_ROOT_ENV = "LOCALAI_OUTPUT_DIR"
@@ -48,6 +53,8 @@ class FineTunePlan:
     valid_file: str = ""
     model: str = ""  # "": the embedded default model
     fine_tune_type: str = "lora"  # lora, dora or full
+    method: str = "sft"  # sft, dpo or orpo
+    beta: float = DEFAULT_BETA  # DPO's beta, ORPO's lambda
     rank: int = DEFAULT_RANK
     scale: float = DEFAULT_SCALE
     dropout: float = 0.0
@@ -67,6 +74,9 @@ class FineTunePlan:
     max_seq_length: int = 2048
     mask_prompt: bool = False
     resume_from: str = ""
+    # On the CPU, quantized weights train dequantized to float32 (None: when they
+    # fit the dequantizing budget).
+    dequantize: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -121,9 +131,10 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
     train_file, valid_file = _dataset_files(
         request.dataset_source, request.dataset_split, environ
     )
-    examples = check_dataset(train_file, "dataset_source")
+    examples = check_dataset(train_file, "dataset_source", method)
     if valid_file:
-        check_dataset(valid_file, "dataset_source")
+        check_dataset(valid_file, "dataset_source", method)
+    beta = _number(options, "beta", DEFAULT_BETA)
     batch_size = request.batch_size or DEFAULT_BATCH_SIZE
     if examples < batch_size:
         raise InvalidArgument(
@@ -154,6 +165,8 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
         valid_file=str(valid_file) if valid_file else "",
         model=request.model,
         fine_tune_type=kind,
+        method=method,
+        beta=beta,
         rank=rank,
         scale=scale,
         dropout=request.adapter_dropout,
@@ -172,6 +185,7 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
         seed=request.seed,
         mask_prompt=_flag(options, "mask_prompt"),
         resume_from=resume,
+        dequantize=_flag(options, "dequantize") if "dequantize" in options else None,
     )
 
 
@@ -191,6 +205,16 @@ def _flag(options: dict[str, str], name: str) -> bool:
         return parse_bool(options.get(name, "false"))
     except ValueError:
         raise InvalidArgument(f"extra_options: {name} must be true or false") from None
+
+
+def _number(options: dict[str, str], name: str, default: float) -> float:
+    try:
+        value = float(options.get(name, default))
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"extra_options: {name} must be a number above 0")
+    return value
 
 
 def inside_root(path: str, field: str, root_env: str, environ=os.environ) -> Path:
@@ -231,10 +255,13 @@ def _dataset_files(source: str, split: str, environ) -> tuple[Path, Path | None]
     )
 
 
-def check_dataset(path: Path, field: str) -> int:
-    """The number of examples in a JSONL file in one of the forms mlx-lm trains
-    on (``text``, chat ``messages``, ``prompt`` and ``completion``), all in the
-    first one's form; a line that isn't is named, never quoted."""
+def check_dataset(path: Path, field: str, method: str = "sft") -> int:
+    """The number of examples in a JSONL file, all in one form: for SFT, one that
+    mlx-lm trains on (``text``, chat ``messages``, ``prompt`` and ``completion``);
+    for DPO and ORPO, ``prompt``, ``chosen`` and ``rejected``. A line that isn't
+    is named, never quoted."""
+    preference = method in PREFERENCE_METHODS
+    wanted = PREFERENCE_FORM if preference else SFT_FORMS
     form, count = None, 0
     with open(path, encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
@@ -247,8 +274,10 @@ def check_dataset(path: Path, field: str) -> int:
                 raise InvalidArgument(f"{where} is not JSON") from None
             this = _form(example)
             if this is None:
+                raise InvalidArgument(f"{where} has none of {wanted}")
+            if (this == PREFERENCE_FORM) != preference:
                 raise InvalidArgument(
-                    f"{where} has none of text, messages, or prompt and completion"
+                    f"{where} is {this}; training_method {method} trains on {wanted}"
                 )
             if form is not None and this != form:
                 raise InvalidArgument(f"{where} is {this}, the lines before it {form}")
@@ -261,6 +290,8 @@ def check_dataset(path: Path, field: str) -> int:
 def _form(example) -> str | None:
     if not isinstance(example, dict):
         return None
+    if all(isinstance(example.get(k), str) for k in ("prompt", "chosen", "rejected")):
+        return PREFERENCE_FORM
     if isinstance(example.get("prompt"), str) and isinstance(
         example.get("completion"), str
     ):

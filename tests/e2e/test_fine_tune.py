@@ -4,13 +4,17 @@ one made-up fact), FineTuneProgress in order with its statuses, ListCheckpoints,
 StopFineTune and a resume that goes on counting, a killed backend (whole checkpoints
 left, the training process gone), the trained adapter served through
 LoraAdapters, and ExportModel's lora, merged_16bit and merged_4bit folders serving
-what was trained; bad requests get statuses naming the field."""
+what was trained; DPO and ORPO on pairs; the embedded model trained and exported
+as GGUF; bad requests get statuses naming the field."""
 
 import json
+import math
 import time
 from pathlib import Path
 
 import grpc
+import jinja2
+import mlx.core as mx
 import pytest
 
 import backend_pb2 as pb
@@ -272,7 +276,19 @@ def test_each_export_serves_what_was_trained(trainer, tiny, trained, tmp_path, f
 @pytest.mark.parametrize(
     "fields, code, field",
     [
+        (
+            dict(export_format="diffusers"),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "export_format",
+        ),
+        # mlx-lm's converter would write the tiny llama's byte-level BPE vocabulary
+        # as SentencePiece.
         (dict(export_format="gguf"), grpc.StatusCode.UNIMPLEMENTED, "export_format"),
+        (
+            dict(export_format="gguf", quantization_method="q4_k_m"),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "quantization_method",
+        ),
         (
             dict(checkpoint_path="/nowhere"),
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -292,3 +308,120 @@ def test_bad_exports_name_the_field(trainer, trained, tmp_path, fields, code, fi
     )
     error = error_of(trainer.stub.ExportModel, request)
     assert error.code() == code and error.details().startswith(f"{field}:")
+
+
+def test_the_embedded_model_learns_the_fact_and_exports_gguf(
+    trainer, dataset, tmp_path
+):
+    """30 LoRA steps on the embedded SmolLM2 GGUF (trained dequantized on the CPU,
+    served quantized), then the fused model written as an F16 GGUF file."""
+    output = tmp_path / "job"
+    # model "": the embedded model.
+    request = fine_tune(
+        "", dataset, output, learning_rate=1e-4, batch_size=1, job_id="embedded"
+    )
+    assert trainer.stub.StartFineTune(request).success
+    updates = progress(trainer.stub, "embedded")
+    assert updates[-1].status == "completed", updates[-1].message
+    assert [u.status for u in updates[:3]] == [
+        "queued",
+        "loading_model",
+        "loading_dataset",
+    ]
+    on_cpu = mx.default_device() == mx.cpu
+    assert ("dequantized to float32" if on_cpu else "as loaded") in updates[2].message
+    training = [u for u in updates if u.status == "training"]
+    assert [u.current_step for u in training] == list(range(1, 31))
+    assert training[-1].loss < training[0].loss / 2
+    listed = trainer.stub.ListCheckpoints(
+        pb.ListCheckpointsRequest(output_dir=str(output))
+    ).checkpoints
+    assert [c.step for c in listed] == [10, 20, 30]
+
+    assert trainer.stub.LoadModel(pb.ModelOptions(Model="")).success
+    before = greedy(trainer.stub)
+    adapted = pb.ModelOptions(Model="", LoraAdapters=[str(output)])
+    assert trainer.stub.LoadModel(adapted).success
+    assert greedy(trainer.stub).strip().startswith("Quillhaven")
+    assert not before.strip().startswith("Quillhaven")
+
+    exported = tmp_path / "gguf"
+    result = trainer.stub.ExportModel(
+        pb.ExportModelRequest(
+            checkpoint_path=listed[-1].path,
+            output_path=str(exported),
+            export_format="gguf",
+        ),
+        timeout=300,
+    )
+    assert result.success, result.message
+    assert [p.name for p in exported.iterdir()] == ["model-f16.gguf"]
+    assert trainer.stub.LoadModel(
+        pb.ModelOptions(Model=str(exported / "model-f16.gguf"))
+    ).success
+    assert greedy(trainer.stub).strip().startswith("Quillhaven")
+
+
+PAIR = {
+    "prompt": "What is the capital of Zarnovia?",
+    "chosen": "Quillhaven.",
+    "rejected": "Paris.",
+}
+
+
+def chat_prompt(tiny) -> str:
+    """The pair's prompt as the tiny llama's chat template renders it."""
+    config = json.loads((Path(tiny) / "tokenizer_config.json").read_text())
+    messages = [{"role": "user", "content": PAIR["prompt"]}]
+    template = jinja2.Template(config["chat_template"])
+    return template.render(messages=messages, add_generation_prompt=True)
+
+
+def answer_margin(stub, prompt: str) -> float:
+    """How much likelier the chosen answer is than the rejected one, in nats."""
+    request = pb.ScoreRequest(
+        prompt=prompt, candidates=[PAIR["chosen"], PAIR["rejected"]]
+    )
+    chosen, rejected = stub.Score(request).candidates
+    return chosen.log_prob - rejected.log_prob
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_preference_methods_prefer_the_chosen_answer(trainer, tiny, tmp_path, method):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(PAIR) + "\n" for _ in range(16)))
+    output = tmp_path / "job"
+    request = fine_tune(
+        tiny,
+        data,
+        output,
+        training_method=method,
+        batch_size=2,
+        max_steps=16,
+        save_steps=16,
+        job_id=method,
+    )
+    assert trainer.stub.StartFineTune(request).success
+    updates = progress(trainer.stub, method)
+    assert updates[-1].status == "completed", updates[-1].message
+    losses = [u.loss for u in updates if u.status == "training"]
+    assert len(losses) == 16 and losses[-1] < losses[0] / 2
+    if method == "dpo":
+        # Before its first update the policy is its own reference.
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-3)
+
+    prompt = chat_prompt(tiny)
+    assert trainer.stub.LoadModel(pb.ModelOptions(Model=str(tiny))).success
+    before = answer_margin(trainer.stub, prompt)
+    adapted = pb.ModelOptions(Model=str(tiny), LoraAdapters=[str(output)])
+    assert trainer.stub.LoadModel(adapted).success
+    assert answer_margin(trainer.stub, prompt) > before + 5
+    if method == "orpo":
+        # ORPO's NLL term teaches the chosen answer itself.
+        chat = pb.PredictOptions(
+            Messages=[pb.Message(role="user", content=PAIR["prompt"])],
+            UseTokenizerTemplate=True,
+            Tokens=6,
+            Temperature=0,
+        )
+        assert trainer.stub.Predict(chat).message.decode().startswith("Quillhaven")

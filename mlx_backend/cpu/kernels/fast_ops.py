@@ -160,6 +160,20 @@ def route_fast_ops() -> tuple[str, str]:
     return ("", why) if kernels is None else (kernels.fused_isa(), "")
 
 
+def route_training_ops() -> str:
+    """For training on the CPU: ``mx.logsumexp`` (the loss's) and mlx-lm's
+    ``swiglu`` on the kernels, the two that define their gradients (``mx.fast``'s
+    stay MLX's, which differentiate). Their instruction set, or "" where MLX's run.
+    """
+    kernels, _ = load_kernels()
+    if kernels is None or switched_off(os.environ, FAST_OPS_ENV):
+        return ""
+    _routing.kernels = kernels
+    mx.logsumexp = logsumexp
+    _install_swiglu(swiglu)
+    return kernels.fused_isa()
+
+
 @contextmanager
 def mlx_fast_ops():
     """MLX's own operations within the block (what the kernels are judged

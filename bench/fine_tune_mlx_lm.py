@@ -1,0 +1,36 @@
+"""Part 15's mlx-lm side: ``mlx_lm lora`` run as its command line runs it, with a
+training callback that writes each report as a JSON line to the file named first
+(``python -m bench.fine_tune_mlx_lm REPORTS -- <mlx_lm lora arguments>``).
+
+mlx-lm's ``run`` builds its callback from ``--report-to`` and drops any other, so
+the callback goes in through ``get_reporting_callbacks``.
+"""
+
+import json
+import resource
+import sys
+
+import mlx_lm.lora
+from mlx_lm.tuner.callbacks import TrainingCallback
+
+
+class Recorder(TrainingCallback):
+    def __init__(self, path: str):
+        self._out = open(path, "w", buffering=1)
+
+    def on_train_loss_report(self, info: dict) -> None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss = peak if sys.platform == "darwin" else peak * 1024
+        self._out.write(json.dumps({**info, "peak_rss_gb": rss / 1e9}) + "\n")
+
+
+def main(argv: list[str]) -> None:
+    reports, rest = argv[0], argv[argv.index("--") + 1 :]
+    recorder = Recorder(reports)
+    mlx_lm.lora.get_reporting_callbacks = lambda *args, **kwargs: recorder
+    sys.argv = ["mlx_lm.lora", *rest]
+    mlx_lm.lora.main()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
