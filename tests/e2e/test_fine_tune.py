@@ -9,6 +9,7 @@ as GGUF; bad requests get statuses naming the field."""
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -425,3 +426,24 @@ def test_preference_methods_prefer_the_chosen_answer(trainer, tiny, tmp_path, me
             Temperature=0,
         )
         assert trainer.stub.Predict(chat).message.decode().startswith("Quillhaven")
+
+
+def test_a_job_too_large_for_memory_fails_before_training(trainer, tiny, tmp_path):
+    # Each row holds its logits over the 49152-token vocabulary three times (33
+    # tokens a row): more rows than the machine's memory holds.
+    rows = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    rows = rows // (33 * 3 * 49152 * 4) + 1
+    data = tmp_path / "train.jsonl"
+    data.write_text((json.dumps({"text": FACT}) + "\n") * rows)
+    request = fine_tune(tiny, data, tmp_path / "job", batch_size=rows, job_id="large")
+    assert trainer.stub.StartFineTune(request).success
+    updates = progress(trainer.stub, "large")
+    assert [u.status for u in updates] == [
+        "queued",
+        "loading_model",
+        "loading_dataset",
+        "failed",
+    ]
+    assert "MiB are free" in updates[-1].message
+    assert "lower batch_size" in updates[-1].message
+    assert trainer.stub.Health(pb.HealthMessage()).message == b"OK"

@@ -1,15 +1,20 @@
 """A FineTuneRequest parsed into the worker's plan (datasets checked line by line
-for each training method, extra_options), and the preference losses of
-mlx_backend/training/preference.py on a tiny llama."""
+for each training method, extra_options), the preference losses of
+mlx_backend/training/preference.py on a tiny llama, and a job's memory estimate."""
 
 import json
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import backend_pb2 as pb
-from mlx_backend.errors import InvalidArgument, Unimplemented
+from mlx_backend.errors import InvalidArgument, ResourceExhausted, Unimplemented
+from mlx_backend.training import footprint as footprint_module
+from mlx_backend.training.footprint import Footprint, check_fits, estimate
 from mlx_backend.training.plan import parse_fine_tune
 from mlx_backend.training.preference import (
     Pair,
@@ -163,3 +168,31 @@ def test_dpo_starts_at_log_2_and_orpo_adds_the_odds_ratio_to_the_nll():
         / 2
     )
     assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_jobs_memory_counts_weights_optimizer_and_activations(monkeypatch):
+    model = tiny_model()
+    model.freeze()
+    linear_to_lora_layers(
+        model, len(model.layers), {"rank": 4, "scale": 1.0, "dropout": 0.0}
+    )
+    footprint = estimate(model, rows=64, tokens=257, checkpointing=False)
+    weights = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    lora = sum(a.nbytes for _, a in tree_flatten(model.trainable_parameters()))
+    widths = sum(
+        sum(m.weight.shape)
+        for _, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    )
+    vocab = model.model.embed_tokens.weight.shape[0]
+    assert footprint == Footprint(
+        weights, 3 * lora, 64 * 257 * 4 * (widths + 3 * vocab)
+    )
+    monkeypatch.setattr(footprint_module, "free_bytes", lambda: (1 << 20, "a test"))
+    with pytest.raises(ResourceExhausted) as raised:
+        check_fits(footprint, held=weights)
+    assert str(raised.value).endswith(
+        "1 MiB are free (a test); lower batch_size, shorten the examples, set "
+        "gradient_checkpointing or train LoRA instead of full"
+    )
+    check_fits(Footprint(weights, 1 << 19, 0), held=weights)
