@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlx_backend.errors import InvalidArgument, Unimplemented
+from mlx_backend.models.loading import default_model_path
 from mlx_backend.refusals import describe_error, describe_path
 from mlx_backend.training.jobs import ROOT
 from mlx_backend.training.plan import (
@@ -80,8 +81,6 @@ def parse_export(request, environ=os.environ) -> ExportPlan:
 
 def _gguf_base(base: str) -> Path | None:
     """The GGUF file ``base`` names (``default``: the embedded model), if any."""
-    from mlx_backend.models.loading import default_model_path
-
     if base == "default":
         return default_model_path()
     return Path(base) if Path(base).is_file() else None
