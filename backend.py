@@ -251,6 +251,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
         self.fine_tunes = FineTuneJobs()
+        engine.count_beside(self.fine_tunes.held_bytes)
 
     def _model(self, identity: str = "") -> ModelInfo:
         info = self.engine.info

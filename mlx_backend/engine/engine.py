@@ -107,6 +107,11 @@ class Engine(Turns):
         self._loop.inbox.put(Compute(request, future))
         return future
 
+    def count_beside(self, lent: Callable[[], int]) -> None:
+        """Shrink the memory budget's room by ``lent()`` bytes, read at each
+        admission: the device memory fine-tuning jobs hold."""
+        self._scheduler.lent = lent
+
     def withdraw(self, future: Future) -> None:
         """Drop the work of ``compute``'s ``future``, whose caller went away."""
         if not self._closed:

@@ -23,6 +23,8 @@ from python_utils import LoadOptions
 
 logger = logging.getLogger(__name__)
 
+# The source of a budget LoadModel's option set.
+OPTION_SOURCE = "memory_budget"
 # The default budget's share of the device's memory: of Metal's recommended working
 # set (already a limit), or of the RAM or GPU memory, which others share.
 WORKING_SET_FRACTION = 0.9
@@ -137,6 +139,12 @@ class MemoryBudget:
         """Bytes for running sequences' KV and the prompt cache together."""
         return self.total - self.weights - self.prefill
 
+    def room_beside(self, lent: int) -> int:
+        """The room while ``lent`` bytes of the device's memory serve other work
+        (a fine-tuning job): a share of the device's memory shrinks by them, a
+        budget the option set stays as set."""
+        return self.room - (0 if self.source == OPTION_SOURCE else lent)
+
     def kv_bytes(self, lengths: Sequence[int]) -> int:
         """The KV of sequences of these full lengths, decoding together."""
         if not lengths:
@@ -177,7 +185,7 @@ def make_memory_budget(
     weights = weights_bytes(model)
     sizer = measure_kv_sizer(model, options)
     if options.memory_budget is not None:
-        total, source = options.memory_budget, "memory_budget"
+        total, source = options.memory_budget, OPTION_SOURCE
     else:
         total, source = device_memory()
     budget = MemoryBudget(total, weights, prefill_bytes, sizer, rectangular, source)

@@ -9,6 +9,7 @@ state goes to the prompt store.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlx_backend.decoders.base import KVState, NewSequence, StepResult
@@ -89,6 +90,8 @@ class Scheduler:
         self._pending: dict[tuple[int, ...], list[Submit]] = {}
         self._prefixes: dict[int, list[tuple[int, ...]]] = {}
         self.last_metrics = RequestMetrics()
+        # Bytes of the device's memory that other work (fine-tuning jobs) holds.
+        self.lent: Callable[[], int] = lambda: 0
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting)
@@ -132,6 +135,7 @@ class Scheduler:
             figures.update(
                 budget_kv_bytes=self.reserved_kv_bytes(served),
                 budget_prompt_cache_bytes=served.store.cache.nbytes,
+                budget_fine_tune_bytes=self.lent(),
             )
         return figures
 
@@ -308,15 +312,17 @@ class Scheduler:
         budget.check_alone(tokens)
         lengths = [seq.reserved for seq in self.running.values()]
         need = budget.kv_bytes([*lengths, tokens])
-        if need > budget.room:
+        room = budget.room_beside(self.lent())
+        if need > room:
             return False
-        served.store.shrink(budget.room - need)
+        served.store.shrink(room - need)
         return True
 
     def _fit_cache(self, served: ServedModel) -> None:
         """What the prompt cache just kept must leave the running sequences room."""
         if served.budget is not None:
-            served.store.shrink(served.budget.room - self.reserved_kv_bytes(served))
+            room = served.budget.room_beside(self.lent())
+            served.store.shrink(room - self.reserved_kv_bytes(served))
 
     def _start(
         self,

@@ -26,6 +26,8 @@ class FineTuneJob:
     def __init__(self, plan: FineTunePlan):
         self.plan = plan
         self.updates: list[dict] = [{"status": "queued"}]
+        # The worker's estimate of its memory, once it has made one.
+        self._memory = 0
         self._changed = threading.Condition()
         self._ended = False
         read, write = os.pipe()
@@ -62,7 +64,15 @@ class FineTuneJob:
             self._ended = True
             self._changed.notify_all()
 
+    @property
+    def memory_bytes(self) -> int:
+        """The device memory the job holds by its estimate (0 once it ended)."""
+        return 0 if self._ended else self._memory
+
     def _add(self, update: dict) -> None:
+        estimate = update.get("extra_metrics", {}).get("estimated_memory_gb")
+        if estimate is not None:
+            self._memory = int(estimate * 1e9)
         with self._changed:
             self.updates.append(update)
             self._changed.notify_all()
@@ -125,6 +135,11 @@ class FineTuneJobs:
             plan.iters,
         )
         return job
+
+    def held_bytes(self) -> int:
+        """The device memory the running jobs hold, by their estimates."""
+        with self._lock:
+            return sum(job.memory_bytes for job in self._jobs.values())
 
     def get(self, job_id: str) -> FineTuneJob:
         job = self._jobs.get(job_id)

@@ -103,12 +103,22 @@ class Reporter(TrainingCallback):
     """mlx-lm's callbacks turned into progress lines, checkpoints every
     ``save_steps`` and a stop between steps."""
 
-    def __init__(self, plan: FineTunePlan, out, commands: Commands, model, start: int):
+    def __init__(
+        self,
+        plan: FineTunePlan,
+        out,
+        commands: Commands,
+        model,
+        start: int,
+        memory: int,
+    ):
         self._plan = plan
         self._out = out
         self._commands = commands
         self._model = model
         self._start = start
+        # The job's memory by its estimate, which serving's budget counts.
+        self._memory = memory
         self._began = time.monotonic()
         self.last = Progress("training", start, plan.iters, total_epochs=plan.epochs)
 
@@ -134,6 +144,7 @@ class Reporter(TrainingCallback):
                 "trained_tokens": float(info["trained_tokens"]),
                 "peak_memory_gb": info["peak_memory"],
                 "peak_rss_gb": peak_rss_bytes() / 1e9,
+                "estimated_memory_gb": self._memory / 1e9,
             },
         )
         send(self._out, self.last)
@@ -329,7 +340,7 @@ def run(plan: FineTunePlan, out, commands: Commands) -> None:
     if commands.stop:
         send(out, Progress("stopped", current_step=start, **total))
         return
-    reporter = Reporter(plan, out, commands, model, start)
+    reporter = Reporter(plan, out, commands, model, start, footprint.total)
     args = TrainingArgs(
         batch_size=plan.batch_size,
         iters=max(plan.iters - start, 0),

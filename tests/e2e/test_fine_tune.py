@@ -106,6 +106,8 @@ def test_lora_sft_trains_saves_and_serves(trainer, tiny, job_a):
     assert training[-1].loss < training[0].loss / 2
     assert training[-1].current_epoch == pytest.approx(30 * 4 / 16)
     assert training[-1].progress_percent == pytest.approx(100.0)
+    # The job's memory by its estimate, which serving's budget counts while it runs.
+    assert 0 < training[0].extra_metrics["estimated_memory_gb"] < 8
     saved = [u.checkpoint_path for u in updates if u.status == "saving"]
     assert saved == [str(output / f"checkpoint-{s}") for s in (10, 20, 30)]
     listed = trainer.stub.ListCheckpoints(

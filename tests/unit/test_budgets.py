@@ -24,6 +24,7 @@ from mlx_backend.decoders.step_budget import (
     choose_step_budget,
 )
 from mlx_backend.engine.memory_budget import (
+    OPTION_SOURCE,
     KVSizer,
     LayerBytes,
     MemoryBudget,
@@ -89,6 +90,14 @@ def test_batched_rows_count_as_long_as_the_longest():
     assert budget(True).kv_bytes([100, 10]) == 2 * (1_000 + 100)
     assert budget(False).kv_bytes([100, 10]) == (1_000 + 100) + (100 + 100)
     assert budget(True).kv_bytes([]) == 0
+
+
+def test_a_share_of_the_device_shrinks_by_what_a_job_holds():
+    # A fine-tuning job's estimate comes off the device's share, not off a set budget.
+    shared = budget(True)
+    assert shared.room_beside(2_500) == 3_500
+    set_budget = replace(shared, source=OPTION_SOURCE)
+    assert set_budget.room_beside(2_500) == 6_000
 
 
 def test_a_request_bigger_than_the_room_is_refused_naming_both_numbers():

@@ -378,6 +378,9 @@ def test_load_model_replies_describe_any_error():
     class Engine:
         info = None
 
+        def count_beside(self, lent):
+            pass
+
         def load(self, plan):
             future = Future()
             future.set_exception(

@@ -8,6 +8,7 @@ import pytest
 
 from mlx_backend.decoders.base import Capabilities, KVState, StepResult
 from mlx_backend.engine.loop import Submit
+from mlx_backend.engine.memory_budget import KVSizer, LayerBytes, MemoryBudget
 from mlx_backend.engine.scheduler import Scheduler
 from mlx_backend.errors import (
     Aborted,
@@ -59,6 +60,9 @@ class FakeStore:
 
     def keep(self, cache, tokens, holders=1, later=False):
         self.kept.append((cache, tuple(tokens)))
+
+    def shrink(self, room):
+        self.room = room
 
 
 LOST = "the distributed group of 2 ranks is lost (test)"
@@ -160,3 +164,19 @@ def test_abort_ends_every_request(served):
         (event,) = stream.events
         assert type(event) is Aborted and str(event) == "the model was unloaded"
     assert not scheduler
+
+
+def test_a_request_waits_while_a_fine_tuning_job_holds_its_room(served):
+    # 10 bytes of KV per token: the request's 14 tokens need 140 of the 300 bytes
+    # of room, which a job holding 200 leaves 100 of.
+    sizer = KVSizer((LayerBytes(per_token=10),))
+    served.budget = MemoryBudget(1_300, 900, 100, sizer, rectangular=True)
+    scheduler = Scheduler()
+    held = [200]
+    scheduler.lent = lambda: held[0]
+    stream = waiting(scheduler)
+    assert not scheduler.schedule(served, None) or not served.decoder.added
+    assert served.decoder.added == [] and scheduler.waiting and not stream.events
+    held[0] = 0
+    scheduler.schedule(served, None)
+    assert len(served.decoder.added) == 1 and served.store.room == 300 - 140
