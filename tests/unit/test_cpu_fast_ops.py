@@ -328,7 +328,7 @@ def test_logsumexp_matches_mlx(qmm, isa, dtype):
     )
 
 
-def test_swiglu_and_logsumexp_have_mlx_gradients(qmm):
+def test_swiglu_and_logsumexp_have_mlx_gradients(qmm, isa):
     gate, x = normal((2, 33), 35) * 4, normal((2, 33), 36)
 
     def loss(gate, x):
@@ -382,6 +382,18 @@ def test_routing_puts_each_fast_op_on_one_primitive(qmm):
         long, k, k, scale=0.125, mask="causal"
     )
     assert_close(y, expected, attention_bound(k))
+
+
+def test_training_routes_only_the_ops_that_define_gradients(qmm, monkeypatch):
+    monkeypatch.setenv(fast_ops.FAST_OPS_ENV, "off")
+    fast_ops.route_fast_ops()
+    assert fast_ops.route_training_ops() == ""
+    monkeypatch.delenv(fast_ops.FAST_OPS_ENV)
+    assert fast_ops.route_training_ops() == qmm.fused_isa()
+    assert llama.swiglu is fast_ops.swiglu and mx.logsumexp is fast_ops.logsumexp
+    # mx.fast's kernels have no gradients: those stay MLX's.
+    assert mx.fast.rms_norm is MLX["rms_norm"] and mx.fast.rope is MLX["rope"]
+    fast_ops.route_fast_ops()
 
 
 def test_routing_is_off_by_switch(qmm, monkeypatch):
