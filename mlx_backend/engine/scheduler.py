@@ -135,7 +135,8 @@ class Scheduler:
             figures.update(
                 budget_kv_bytes=self.reserved_kv_bytes(served),
                 budget_prompt_cache_bytes=served.store.cache.nbytes,
-                budget_fine_tune_bytes=self.lent(),
+                budget_fine_tune_bytes=served.budget.room
+                - served.budget.room_beside(self.lent()),
             )
         return figures
 
@@ -312,8 +313,18 @@ class Scheduler:
         budget.check_alone(tokens)
         lengths = [seq.reserved for seq in self.running.values()]
         need = budget.kv_bytes([*lengths, tokens])
-        room = budget.room_beside(self.lent())
+        lent = self.lent()
+        room = budget.room_beside(lent)
         if need > room:
+            if not self.running:
+                # Only the job's end makes room: waiting would spin the engine loop
+                # for the whole job.
+                raise ResourceExhausted(
+                    f"Tokens: the prompt and reply ({tokens} tokens) need {need} "
+                    f"bytes of KV cache, and a fine-tuning job holds {lent} bytes of "
+                    f"the memory budget, leaving {room}; send fewer tokens or retry "
+                    "when the job ends"
+                )
             return False
         served.store.shrink(room - need)
         return True

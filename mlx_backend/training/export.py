@@ -68,7 +68,7 @@ def parse_export(request, environ=os.environ) -> ExportPlan:
     if fmt != "lora" and not base:
         raise InvalidArgument("model: the checkpoint does not name its base model")
     if fmt == "gguf":
-        if request.quantization_method not in ("", "f16"):
+        if request.quantization_method.lower() not in ("", "f16"):
             raise Unimplemented(
                 "quantization_method: gguf is written in f16 here (quantize it with "
                 "llama.cpp's llama-quantize)"
@@ -100,6 +100,8 @@ def gguf_refusal(base: str) -> str | None:
         config = json.loads((folder / "config.json").read_text())
         tokenizer = json.loads((folder / "tokenizer.json").read_text())
     except (OSError, ValueError):
+        config = tokenizer = None
+    if not isinstance(config, dict) or not isinstance(tokenizer, dict):
         return "needs a GGUF base, or an MLX folder with config.json and tokenizer.json"
     if config.get("model_type") not in MLX_LM_GGUF_TYPES:
         return (

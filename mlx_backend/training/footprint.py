@@ -1,7 +1,8 @@
 """A training job's memory, estimated before its first step from the model as it
 will train and the dataset's longest batch, and checked against what the device
 has free: a job that cannot fit fails with the numbers instead of being killed
-mid-step, and serving beside it keeps its memory."""
+mid-step. On Linux and CUDA the free memory is read system- or device-wide, so the
+serving process's use is counted; on Metal, only this process's."""
 
 import sys
 from dataclasses import dataclass
@@ -61,30 +62,44 @@ def estimate(
 ) -> Footprint:
     """The memory of training ``model`` on batches of ``rows`` sequences of up
     to ``tokens`` tokens."""
+    modules = [m for _, m in model.named_modules()]
     weights = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     trainable = sum(a.nbytes for _, a in tree_flatten(model.trainable_parameters()))
-    widths = sum(_linear_width(m) for _, m in model.named_modules())
+    widths = sum(_linear_width(m) for m in modules)
+    # Every attention layer's scores and probabilities, per row.
+    scores = (
+        2 * tokens * tokens * sum(m.n_heads for m in modules if hasattr(m, "n_heads"))
+    )
+    embeddings = [m for m in modules if isinstance(m, EMBEDDINGS)]
+    vocab = max((m.weight.shape[0] for m in embeddings), default=0)
     if checkpointing:
         # One block's activations at a time, and each block's input.
-        widths = widths // max(len(model.layers), 1) + len(model.layers)
-    vocab = max(
-        (
-            m.weight.shape[0]
-            for _, m in model.named_modules()
-            if isinstance(m, EMBEDDINGS)
-        ),
-        default=0,
+        blocks = max(len(model.layers), 1)
+        hidden = max((_dims(m) for m in embeddings), default=0)
+        widths = widths // blocks + blocks * hidden
+        scores //= blocks
+    per_row = tokens * (widths + LOGIT_COPIES * vocab) + scores
+    return Footprint(
+        weights, OPTIMIZER_COPIES * trainable, rows * per_row * ACTIVATION_BYTES
     )
-    per_token = (widths + LOGIT_COPIES * vocab) * ACTIVATION_BYTES
-    return Footprint(weights, OPTIMIZER_COPIES * trainable, rows * tokens * per_token)
+
+
+def _dims(embedding: nn.Module) -> int:
+    if isinstance(embedding, nn.QuantizedEmbedding):
+        return embedding.scales.shape[-1] * embedding.group_size
+    return embedding.weight.shape[1]
 
 
 def free_bytes() -> tuple[int, str]:
     """The memory free for this process to grow into, and where it was read."""
     if mx.default_device() != mx.cpu:
         info = mx.device_info()
-        total = info.get("max_recommended_working_set_size") or info.get("memory_size")
-        return int(total) - mx.get_active_memory(), "the GPU's memory less MLX's use"
+        if "free_memory" in info:
+            # CUDA reads it device-wide: serving's use is already out of it.
+            return int(info["free_memory"]), "the GPU's free memory"
+        # Metal: the working set less this process's own use.
+        total = info.get("max_recommended_working_set_size") or physical_memory()
+        return int(total) - mx.get_active_memory(), "the recommended working set"
     if sys.platform == "linux":
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

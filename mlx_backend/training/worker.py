@@ -36,6 +36,7 @@ from mlx_backend.cpu.compute_path import (
     is_quantized,
 )
 from mlx_backend.cpu.kernels.fast_ops import route_training_ops
+from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.loading import load_model
 from mlx_backend.refusals import describe_error
 from mlx_backend.training.footprint import check_fits, estimate
@@ -246,24 +247,29 @@ def _optimizer(plan: FineTunePlan) -> optim.Optimizer:
     return optim.Adam(learning_rate=rate)
 
 
-def _dataset(path: str, model, tokenizer, plan: FineTunePlan):
+def _dataset(path: str, tokenizer, plan: FineTunePlan):
     """The examples as mlx-lm's trainer takes them: tokenized texts for SFT, token
-    pairs (with the reference's scores, for DPO) for the preference methods."""
+    pairs for the preference methods (each with answer tokens to train on)."""
     with open(path, encoding="utf-8") as lines:
         examples = [json.loads(line) for line in lines if line.strip()]
     if plan.method == "sft":
         config = SimpleNamespace(mask_prompt=plan.mask_prompt)
         return CacheDataset(create_dataset(examples, tokenizer, config))
     pairs = [encode_pair(example, tokenizer) for example in examples]
-    if plan.method == "dpo":
-        pairs = with_reference(model, pairs, plan.batch_size, plan.max_seq_length)
+    cut = sum(p.prompt >= plan.max_seq_length - 1 for p in pairs)
+    if cut:
+        raise InvalidArgument(
+            f"dataset_source: {cut} pairs' prompts fill the {plan.max_seq_length} "
+            "tokens a sequence may have, leaving no answer to train on"
+        )
     return pairs
 
 
-def _batch_tokens(dataset, plan: FineTunePlan) -> int:
+def batch_tokens(dataset, plan: FineTunePlan) -> int:
     """The longest batch's padded width, as mlx-lm's batches (and the pairs') pad."""
     if plan.method == "sft":
-        longest = max(dataset.itemlen(i) for i in range(len(dataset)))
+        # Tokenized (and cached) here as training would.
+        longest = max(len(dataset[i][0]) for i in range(len(dataset)))
     else:
         longest = max(max(len(p.chosen), len(p.rejected)) for p in dataset)
     return min(1 + PAD_TO * -(-longest // PAD_TO), plan.max_seq_length)
@@ -321,17 +327,29 @@ def run(plan: FineTunePlan, out, commands: Commands) -> None:
             model, len(model.layers), parameters, use_dora=plan.fine_tune_type == "dora"
         )
     send(out, Progress("loading_dataset", message=layout, **total))
-    # Before a checkpoint's weights load: DPO's reference is the untrained model.
-    train_set = _dataset(plan.train_file, model, tokenizer, plan)
-    valid_set = None
-    if plan.valid_file:
-        valid_set = _dataset(plan.valid_file, model, tokenizer, plan)
+    train_set = _dataset(plan.train_file, tokenizer, plan)
+    valid_set = _dataset(plan.valid_file, tokenizer, plan) if plan.valid_file else None
     rows = plan.batch_size * (1 if plan.method == "sft" else 2)
     footprint = estimate(
-        model, rows, _batch_tokens(train_set, plan), plan.grad_checkpoint
+        model, rows, batch_tokens(train_set, plan), plan.grad_checkpoint
     )
     logger.info("fine-tuning job %s needs about %s", plan.job_id, footprint.describe())
     check_fits(footprint, held=footprint.weights)
+    # From here serving's memory budget counts the job.
+    memory = {"estimated_memory_gb": footprint.total / 1e9}
+    send(
+        out,
+        Progress("loading_dataset", message=layout, extra_metrics=memory, **total),
+    )
+    if plan.method == "dpo":
+        # Before a checkpoint's weights load: the reference is the untrained model.
+        train_set = with_reference(
+            model, train_set, plan.batch_size, plan.max_seq_length
+        )
+        if valid_set is not None:
+            valid_set = with_reference(
+                model, valid_set, plan.batch_size, plan.max_seq_length
+            )
     start = 0
     if plan.resume_from:
         resume = Path(plan.resume_from)

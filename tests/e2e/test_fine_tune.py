@@ -98,7 +98,15 @@ def trained(job_a):
 def test_lora_sft_trains_saves_and_serves(trainer, tiny, job_a):
     output, updates = job_a
     statuses = [u.status for u in updates]
-    assert statuses[:3] == ["queued", "loading_model", "loading_dataset"]
+    assert statuses[:5] == [
+        "queued",
+        "loading_model",
+        "loading_dataset",
+        "loading_dataset",
+        "training",
+    ]
+    # Once the dataset is read, the job's memory estimate, which serving counts.
+    assert updates[3].extra_metrics["estimated_memory_gb"] > 0
     assert statuses[-1] == "completed", updates[-1].message
     training = [u for u in updates if u.status == "training"]
     assert [u.current_step for u in training] == list(range(1, 31))

@@ -4,18 +4,21 @@ mlx_backend/training/preference.py on a tiny llama, and a job's memory estimate.
 
 import json
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import backend_pb2 as pb
 from mlx_backend.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from mlx_backend.training import footprint as footprint_module
 from mlx_backend.training.footprint import Footprint, check_fits, estimate
-from mlx_backend.training.plan import parse_fine_tune
+from mlx_backend.training.plan import FineTunePlan, parse_fine_tune
 from mlx_backend.training.preference import (
     Pair,
     answer_log_probs,
@@ -24,6 +27,7 @@ from mlx_backend.training.preference import (
     make_preference_loss,
     with_reference,
 )
+from mlx_backend.training.worker import batch_tokens
 from tests.tiny_models import tiny_model
 
 TEXT = {"text": "The capital of Zarnovia is Quillhaven."}
@@ -184,10 +188,15 @@ def test_a_jobs_memory_counts_weights_optimizer_and_activations(monkeypatch):
         for _, m in model.named_modules()
         if isinstance(m, nn.Linear)
     )
-    vocab = model.model.embed_tokens.weight.shape[0]
-    assert footprint == Footprint(
-        weights, 3 * lora, 64 * 257 * 4 * (widths + 3 * vocab)
-    )
+    vocab, hidden = model.model.embed_tokens.weight.shape
+    layers = len(model.layers)
+    heads = layers * model.layers[0].self_attn.n_heads
+    row = 257 * (widths + 3 * vocab) + 2 * 257 * 257 * heads
+    assert footprint == Footprint(weights, 3 * lora, 64 * 4 * row)
+    # Checkpointing keeps one block's activations and each block's input.
+    saved = estimate(model, rows=64, tokens=257, checkpointing=True)
+    row = 257 * (widths // layers + layers * hidden + 3 * vocab)
+    assert saved.activations == 64 * 4 * (row + 2 * 257 * 257 * heads // layers)
     monkeypatch.setattr(footprint_module, "free_bytes", lambda: (1 << 20, "a test"))
     with pytest.raises(ResourceExhausted) as raised:
         check_fits(footprint, held=weights)
@@ -196,3 +205,18 @@ def test_a_jobs_memory_counts_weights_optimizer_and_activations(monkeypatch):
         "gradient_checkpointing or train LoRA instead of full"
     )
     check_fits(Footprint(weights, 1 << 19, 0), held=weights)
+
+
+def test_the_longest_batch_is_counted_in_tokens_padded_as_mlx_lm_pads():
+    texts = [{"text": "a" * 40}, {"text": "b" * 5}]
+    config = SimpleNamespace(mask_prompt=False)
+    dataset = CacheDataset(create_dataset(texts, Letters(), config))
+    plan = FineTunePlan(job_id="x", output_dir="out", train_file="train.jsonl")
+    # 40 letters and EOS, padded to one plus a multiple of 32.
+    assert batch_tokens(dataset, plan) == 65
+    assert batch_tokens(dataset, replace(plan, max_seq_length=50)) == 50
+    pairs = [encode_pair(PAIR, Letters())]
+    longest = len(pairs[0].chosen)
+    assert batch_tokens(pairs, replace(plan, method="dpo")) == 1 + 32 * -(
+        -longest // 32
+    )

@@ -48,9 +48,14 @@ class FakeDecoder:
         self.removed.append(key)
         return KVState([f"kv{key}"], list(self.added[key].prompt))
 
+    def kv_nbytes(self):
+        return 0
+
 
 class FakeStore:
     """Serves all but the last two prompt tokens, and keeps what it is given."""
+
+    cache = SimpleNamespace(nbytes=0)
 
     def __init__(self):
         self.kept = []
@@ -166,17 +171,27 @@ def test_abort_ends_every_request(served):
     assert not scheduler
 
 
-def test_a_request_waits_while_a_fine_tuning_job_holds_its_room(served):
+def test_a_fine_tuning_job_holds_room_that_requests_cannot_use(served):
     # 10 bytes of KV per token: the request's 14 tokens need 140 of the 300 bytes
-    # of room, which a job holding 200 leaves 100 of.
+    # of room, which a job holding 200 leaves 100 of. With nothing running, only
+    # the job's end would make room: refused rather than waiting on it.
     sizer = KVSizer((LayerBytes(per_token=10),))
     served.budget = MemoryBudget(1_300, 900, 100, sizer, rectangular=True)
     scheduler = Scheduler()
     held = [200]
     scheduler.lent = lambda: held[0]
     stream = waiting(scheduler)
-    assert not scheduler.schedule(served, None) or not served.decoder.added
-    assert served.decoder.added == [] and scheduler.waiting and not stream.events
-    held[0] = 0
+    assert scheduler.schedule(served, None)
+    (refusal,) = stream.events
+    assert isinstance(refusal, ResourceExhausted)
+    assert str(refusal) == (
+        "Tokens: the prompt and reply (14 tokens) need 140 bytes of KV cache, and a "
+        "fine-tuning job holds 200 bytes of the memory budget, leaving 100; send "
+        "fewer tokens or retry when the job ends"
+    )
+    assert served.decoder.added == [] and not scheduler
+    held[0] = 100
+    waiting(scheduler)
     scheduler.schedule(served, None)
-    assert len(served.decoder.added) == 1 and served.store.room == 300 - 140
+    assert len(served.decoder.added) == 1 and served.store.room == 200 - 140
+    assert scheduler.breakdown(served)["budget_fine_tune_bytes"] == 100
