@@ -98,7 +98,8 @@ def device_memory() -> tuple[int, str]:
     if working_set:
         share = int(working_set * WORKING_SET_FRACTION)
         return share, f"{WORKING_SET_FRACTION:.0%} of the recommended working set"
-    memory = info.get("memory_size") or physical_memory()
+    # Metal's and the CPU's memory_size, CUDA's total_memory.
+    memory = info.get("memory_size") or info.get("total_memory") or physical_memory()
     share = int(memory * DEVICE_MEMORY_FRACTION)
     return share, f"{DEVICE_MEMORY_FRACTION:.0%} of the device's memory"
 

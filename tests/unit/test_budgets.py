@@ -28,6 +28,7 @@ from mlx_backend.engine.memory_budget import (
     KVSizer,
     LayerBytes,
     MemoryBudget,
+    device_memory,
     measure_kv_sizer,
 )
 from mlx_backend.engine.prompt_store import PromptCounts, PromptStore
@@ -90,6 +91,14 @@ def test_batched_rows_count_as_long_as_the_longest():
     assert budget(True).kv_bytes([100, 10]) == 2 * (1_000 + 100)
     assert budget(False).kv_bytes([100, 10]) == (1_000 + 100) + (100 + 100)
     assert budget(True).kv_bytes([]) == 0
+
+
+def test_the_default_budget_is_a_share_of_each_devices_memory(monkeypatch):
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 80_000})
+    assert device_memory() == (64_000, "80% of the device's memory")
+    working_set = {"max_recommended_working_set_size": 10_000, "memory_size": 1}
+    monkeypatch.setattr(mx, "device_info", lambda: working_set)
+    assert device_memory() == (9_000, "90% of the recommended working set")
 
 
 def test_a_share_of_the_device_shrinks_by_what_a_job_holds():
