@@ -131,9 +131,15 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
     train_file, valid_file = _dataset_files(
         request.dataset_source, request.dataset_split, environ
     )
-    examples = check_dataset(train_file, "dataset_source", method)
+    examples, form = check_dataset(train_file, "dataset_source", method)
     if valid_file:
         check_dataset(valid_file, "dataset_source", method)
+    mask_prompt = _flag(options, "mask_prompt")
+    if mask_prompt and form == "text":
+        raise InvalidArgument(
+            "extra_options: mask_prompt needs a dataset of messages, or prompt and "
+            "completion; dataset_source is text"
+        )
     beta = _number(options, "beta", DEFAULT_BETA)
     batch_size = request.batch_size or DEFAULT_BATCH_SIZE
     if examples < batch_size:
@@ -183,7 +189,7 @@ def parse_fine_tune(request, environ=os.environ) -> FineTunePlan:
         grad_checkpoint=request.gradient_checkpointing,
         optimizer=optimizer,
         seed=request.seed,
-        mask_prompt=_flag(options, "mask_prompt"),
+        mask_prompt=mask_prompt,
         resume_from=resume,
         dequantize=_flag(options, "dequantize") if "dequantize" in options else None,
     )
@@ -255,11 +261,11 @@ def _dataset_files(source: str, split: str, environ) -> tuple[Path, Path | None]
     )
 
 
-def check_dataset(path: Path, field: str, method: str = "sft") -> int:
-    """The number of examples in a JSONL file, all in one form: for SFT, one that
-    mlx-lm trains on (``text``, chat ``messages``, ``prompt`` and ``completion``);
-    for DPO and ORPO, ``prompt``, ``chosen`` and ``rejected``. A line that isn't
-    is named, never quoted."""
+def check_dataset(path: Path, field: str, method: str = "sft") -> tuple[int, str]:
+    """The number of examples in a JSONL file and their one form: for SFT, one
+    that mlx-lm trains on (``text``, chat ``messages``, ``prompt`` and
+    ``completion``); for DPO and ORPO, ``prompt``, ``chosen`` and ``rejected``. A
+    line that isn't is named, never quoted."""
     preference = method in PREFERENCE_METHODS
     wanted = PREFERENCE_FORM if preference else SFT_FORMS
     form, count = None, 0
@@ -284,7 +290,7 @@ def check_dataset(path: Path, field: str, method: str = "sft") -> int:
             form, count = this, count + 1
     if not count:
         raise InvalidArgument(f"{field}: {path.name} has no examples")
-    return count
+    return count, form
 
 
 def _form(example) -> str | None:

@@ -85,6 +85,12 @@ def test_each_method_takes_its_form(tmp_path):
             {"extra_options": {"dequantize": "maybe"}},
             "extra_options: dequantize must be true or false",
         ),
+        (
+            [TEXT],
+            {"extra_options": {"mask_prompt": "true"}},
+            "extra_options: mask_prompt needs a dataset of messages, or prompt and "
+            "completion; dataset_source is text",
+        ),
     ],
 )
 def test_a_wrong_form_is_named_not_quoted(tmp_path, lines, fields, message):
