@@ -7,11 +7,12 @@ the callback goes in through ``get_reporting_callbacks``.
 """
 
 import json
-import resource
 import sys
 
 import mlx_lm.lora
 from mlx_lm.tuner.callbacks import TrainingCallback
+
+from mlx_backend.training.worker import peak_rss_bytes
 
 
 class Recorder(TrainingCallback):
@@ -19,9 +20,8 @@ class Recorder(TrainingCallback):
         self._out = open(path, "w", buffering=1)
 
     def on_train_loss_report(self, info: dict) -> None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        rss = peak if sys.platform == "darwin" else peak * 1024
-        self._out.write(json.dumps({**info, "peak_rss_gb": rss / 1e9}) + "\n")
+        rss = peak_rss_bytes() / 1e9
+        self._out.write(json.dumps({**info, "peak_rss_gb": rss}) + "\n")
 
 
 def main(argv: list[str]) -> None:

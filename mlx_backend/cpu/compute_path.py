@@ -27,6 +27,11 @@ def float32_bytes(model: nn.Module) -> int:
     return get_total_parameters(model) * 4
 
 
+def dequantize_budget() -> int:
+    """The bytes dequantized weights may take by default."""
+    return int(physical_memory() * DEQUANTIZE_MEMORY_FRACTION)
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(hasattr(m, "bits") for _, m in model.named_modules())
 
@@ -121,7 +126,7 @@ def prepare_for_cpu(
             kernel_isa=settings.isa,
             kernel_threads=settings.threads,
         )
-    budget = max_bytes or int(physical_memory() * DEQUANTIZE_MEMORY_FRACTION)
+    budget = max_bytes or dequantize_budget()
     needed = float32_bytes(model)
     if dequantize is None:
         dequantize = blas is not None and needed <= budget

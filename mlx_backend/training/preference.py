@@ -92,13 +92,18 @@ def with_reference(
     return done
 
 
+def batch_width(longest: int, max_seq_length: int) -> int:
+    """A batch's padded width: one plus a multiple of ``PAD_TO``, as mlx-lm pads."""
+    return min(1 + PAD_TO * -(-longest // PAD_TO), max_seq_length)
+
+
 def _rows(pairs: list[Pair], max_seq_length: int) -> tuple[mx.array, mx.array]:
     """The chosen sequences, then the rejected ones, padded as one batch; and each
     row's span (answer start, end)."""
     sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     starts = [p.prompt for p in pairs] * 2
     longest = max(len(s) for s in sequences)
-    width = min(1 + PAD_TO * ((longest + PAD_TO - 1) // PAD_TO), max_seq_length)
+    width = batch_width(longest, max_seq_length)
     batch = np.zeros((len(sequences), width), np.int32)
     spans = []
     for row, (sequence, start) in enumerate(zip(sequences, starts)):

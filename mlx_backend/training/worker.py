@@ -29,9 +29,8 @@ from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 from mlx_lm.tuner.trainer import TrainingArgs, TrainingCallback, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from mlx_backend.cpu.blas import physical_memory
 from mlx_backend.cpu.compute_path import (
-    DEQUANTIZE_MEMORY_FRACTION,
+    dequantize_budget,
     float32_bytes,
     is_quantized,
 )
@@ -48,7 +47,7 @@ from mlx_backend.training.plan import (
     FineTunePlan,
 )
 from mlx_backend.training.preference import (
-    PAD_TO,
+    batch_width,
     encode_pair,
     iterate_pairs,
     make_preference_loss,
@@ -272,7 +271,7 @@ def batch_tokens(dataset, plan: FineTunePlan) -> int:
         longest = max(len(dataset[i][0]) for i in range(len(dataset)))
     else:
         longest = max(max(len(p.chosen), len(p.rejected)) for p in dataset)
-    return min(1 + PAD_TO * -(-longest // PAD_TO), plan.max_seq_length)
+    return batch_width(longest, plan.max_seq_length)
 
 
 def training_weights(model, dequantize: bool | None) -> tuple[object, str]:
@@ -295,7 +294,7 @@ def training_weights(model, dequantize: bool | None) -> tuple[object, str]:
     quantized = is_quantized(model)
     needed = float32_bytes(model)
     if dequantize is None:
-        dequantize = needed <= physical_memory() * DEQUANTIZE_MEMORY_FRACTION
+        dequantize = needed <= dequantize_budget()
     if quantized and dequantize:
         model = dequantize_to_float32(model)
         return model, f"CPU, weights dequantized to float32 ({needed >> 20} MiB){fused}"

@@ -145,13 +145,18 @@ _ROUTED = {
 }
 
 
+def _fast_kernels():
+    """The kernels for the fused operations, or None and why not."""
+    if switched_off(os.environ, FAST_OPS_ENV):
+        return None, f"off ({FAST_OPS_ENV})"
+    return load_kernels()
+
+
 def route_fast_ops() -> tuple[str, str]:
     """Run ``mx.fast``'s four operations, ``mx.logsumexp`` and mlx-lm's ``swiglu``
     on the CPU kernels in this process from now on (idempotent): their
     instruction set and "", or "" and why MLX's own run (then restored)."""
-    kernels, why = load_kernels()
-    if switched_off(os.environ, FAST_OPS_ENV):
-        kernels, why = None, f"off ({FAST_OPS_ENV})"
+    kernels, why = _fast_kernels()
     _routing.kernels = kernels
     for name, fn in (_MLX if kernels is None else _ROUTED).items():
         setattr(mx.fast, name, fn)
@@ -165,8 +170,8 @@ def route_training_ops() -> str:
     ``swiglu`` on the kernels, the two that define their gradients (``mx.fast``'s
     stay MLX's, which differentiate). Their instruction set, or "" where MLX's run.
     """
-    kernels, _ = load_kernels()
-    if kernels is None or switched_off(os.environ, FAST_OPS_ENV):
+    kernels, _ = _fast_kernels()
+    if kernels is None:
         return ""
     _routing.kernels = kernels
     mx.logsumexp = logsumexp
