@@ -31,6 +31,9 @@ class LoadOptions:
     max_tokens: int | None = None
     # None: the compute path's default (cpu/compute_path.py).
     prefill_step_size: int | None = None
+    # Decoding over paged KV with one forward pass per step for decode rows and
+    # prompt chunks alike (decoders/paged.py); None ("auto"): the device's default.
+    paged: bool | None = None
     # Continuous batching: sequences decoded together, and prompts prefilled together.
     max_batch_size: int = 32
     prefill_batch_size: int = 8

@@ -248,11 +248,16 @@ def stream_figures(stream: Stream, sent: float, long_first: float) -> tuple:
 
 
 def long_prompt_run(
-    make: Maker, long_text: str, run: int = 0, check_text: bool = False
+    make: Maker,
+    long_text: str,
+    run: int = 0,
+    check_text: bool = False,
+    stream_tokens: int = STREAM_TOKENS,
 ) -> LongPrompt:
-    """Scenario 1 on one server: the long prompt alone, then under contention.
-    The two long prompts differ from their first word, so the second finds
-    nothing of the first in a prompt cache; each run's prompts are its own."""
+    """Scenario 1 on one server: the long prompt alone, then under contention
+    with streams of ``stream_tokens``. The two long prompts differ from their
+    first word, so the second finds nothing of the first in a prompt cache; each
+    run's prompts are its own."""
     alone = make(f"Document {run}A. {long_text}", REPLY_TOKENS, None)
     prompts = [
         f"Stream {run}-{i}. Write a long story about {TOPICS[i]}." for i in range(2)
@@ -261,7 +266,7 @@ def long_prompt_run(
     firsts = [threading.Event() for _ in prompts]
     with ThreadPoolExecutor(max_workers=4) as pool:
         running = [
-            pool.submit(make, prompt, STREAM_TOKENS, first)
+            pool.submit(make, prompt, stream_tokens, first)
             for prompt, first in zip(prompts, firsts)
         ]
         wait_until_decoding(running, firsts)
@@ -278,7 +283,7 @@ def long_prompt_run(
     worst_during = max(figures, key=lambda f: f[2] / f[0])
     same_text = None
     if check_text:
-        texts = [make(p, STREAM_TOKENS, None).text for p in prompts]
+        texts = [make(p, stream_tokens, None).text for p in prompts]
         texts.append(make(short_prompt, REPLY_TOKENS, None).text)
         same_text = texts == [s.text for s in (*streams, short_stream)]
     return LongPrompt(

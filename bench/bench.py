@@ -95,6 +95,7 @@ from bench.distributed import bench_distributed
 from bench.fine_tune import bench_fine_tune
 from bench.memory import bench_memory
 from bench.model_families import bench_model_families
+from bench.one_pass import bench_one_pass
 from bench.overhead import bench_overhead, machine_header
 from bench.prefix import bench_prefix
 from bench.prompt_cache import bench_prompt_cache
@@ -221,6 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rerank-rounds", type=int, default=2)
     parser.add_argument("--fine-tune-rounds", type=int, default=2)
     parser.add_argument(
+        "--one-pass-runs",
+        type=int,
+        default=3,
+        help="part 16's runs of the long-prompt scenario on each side",
+    )
+    parser.add_argument(
         "--admission-flood-tokens",
         type=int,
         default=FLOOD_TOKENS,
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         type=lambda text: {int(part) for part in text.split(",")},
-        default=set(range(1, 16)),
+        default=set(range(1, 17)),
         help="the parts to run, e.g. 1,4 (default: all)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "core.json"))
@@ -361,6 +368,14 @@ def main(argv: list[str] | None = None) -> None:
                 running_server, exported, args.fine_tune_rounds
             )
             lines += [""] + part
+    if 16 in parts:
+        # Its two servers alone, after the other parts' are gone.
+        with tempfile.TemporaryDirectory() as folder:
+            exported = export_mlx_folder(default_model_path(), Path(folder))
+            report["one_pass"], part = bench_one_pass(
+                running_process, exported, args.one_pass_runs
+            )
+        lines += [""] + part
     if 12 in parts:
         # After the other parts' servers are gone: its servers run one at a time.
         report["cpu_kernels"], part = bench_cpu_kernels(

@@ -10,6 +10,7 @@ from mlx_backend.caches.kinds import layer_kind
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.measured import measured_once
+from mlx_backend.decoders.paged import NotPaged, PagedDecoder, paged_layers
 from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
 from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.decoders.speculative import (
@@ -33,12 +34,26 @@ def make_plain_decoder(
     """The plain decoder for a loaded model: batched when its KV caches can be
     merged, with paced CPU steps when ``pace`` (``make_pacing``) and prefill
     within the step token ``budget``."""
+    if use_paged(options):
+        try:
+            shapes = paged_layers(model, options)
+        except NotPaged as e:
+            logger.info("the paged pass is off: %s", e)
+        else:
+            logger.info("one forward pass per step over paged KV")
+            return PagedDecoder(model, options, shapes, budget)
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:
         logger.info("requests run one sequence each: %s", why)
         return SingleDecoder(model, options, trimmable)
     return BatchDecoder(model, options, trimmable, pace, budget)
+
+
+def use_paged(options: LoadOptions) -> bool:
+    """Whether the options ask for the paged pass: ``paged``, where "auto" is
+    off until the paged decoder shares prefixes and speculates."""
+    return bool(options.paged)
 
 
 def make_decoder(
@@ -55,7 +70,9 @@ def make_decoder(
     inner = make_plain_decoder(model, options, pace, budget)
     kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
     why = None
-    if options.speculative == "off" or options.num_draft_tokens == 0:
+    if isinstance(inner, PagedDecoder):
+        why = "the paged decoder does not speculate yet"
+    elif options.speculative == "off" or options.num_draft_tokens == 0:
         why = "turned off by the options"
     elif "other" in kinds:
         why = "the KV cache has layers it can neither trim nor hold"

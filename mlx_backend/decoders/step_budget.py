@@ -288,3 +288,85 @@ class TokenCost:
         self.last = (tokens, seconds)
         seen = seconds / tokens
         self.token_s = seen if seen > self.token_s else (self.token_s + seen) / 2
+
+
+# A one-pass step that carries prompt tokens beside decode rows takes about this
+# many times what its decode rows alone would: the pass reads the weights once for
+# both, so prompt tokens cost only their own compute, and a prompt gets two thirds
+# of the machine while sequences decode.
+PASS_MULTIPLE = 3.0
+# Steps the one-pass cost model's attention term is fitted over.
+COST_WINDOW = 64
+# Key reads per unit of the cost model's attention term.
+KEYS_UNIT = 1000.0
+
+
+@dataclass(frozen=True)
+class PassWork:
+    """What a one-pass step computes: its tokens on the axis, and its attention's
+    key reads (each token's context, summed, in ``KEYS_UNIT``s)."""
+
+    tokens: int
+    keys: float
+
+
+class PassPacer:
+    """The prompt tokens each one-pass step carries beside its decode rows.
+
+    The option ``step_token_budget`` sets a step's tokens, decode rows included.
+    Otherwise, while sequences decode, a step takes about ``PASS_MULTIPLE`` times
+    what its decode rows alone would. A step's seconds are modelled as a pass's
+    fixed cost and a cost per token (projections and MLPs), as the load measured
+    them, and a cost per key read (attention, which grows with each sequence's
+    depth), fitted to the latest steps by least squares; so deep in a long prompt,
+    or beside deep streams, the chunks shrink to what fits. With nothing
+    decoding, ``step_size`` tokens a step.
+    """
+
+    def __init__(self, budget: StepBudget, step_size: int):
+        self.budget = budget
+        self._step_size = step_size
+        costs = budget.costs
+        # The load's measurement: a pass's fixed cost and a token's. A one-token
+        # pass reads every weight, as a decode step does: the fixed cost is at
+        # least that step's less its token (measured apart, it came out near 0).
+        self._token_s = costs.token_s if costs else 0.0
+        self._pass_s = (
+            max(costs.pass_s, costs.decode_s - costs.token_s) if costs else 0.0
+        )
+        # Recent steps' key reads and the seconds they took beyond the rest.
+        self._keys: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
+        self._key_s = 0.0
+        # The prompt tokens of the last step planned with a budget.
+        self.tokens = budget.tokens
+
+    def prompt_tokens(self, rows: PassWork, depth: int) -> int:
+        """Prompt tokens a step may carry beside decode ``rows`` (none: 0 rows),
+        for prompts ``depth`` tokens deep."""
+        budget = self.budget
+        if not rows.tokens or not (budget.tokens or budget.timed):
+            return self._step_size
+        if budget.tokens:
+            return max(1, budget.tokens - rows.tokens)
+        fixed, per_token, per_key = self._pass_s, self._token_s, self._key_s
+        alone = fixed + per_token * rows.tokens + per_key * rows.keys
+        room = (PASS_MULTIPLE - 1) * alone
+        # A chunk of n tokens reads about n * (depth + n / 2) keys.
+        n = self._step_size
+        for _ in range(3):
+            cost = per_token + per_key * (depth + n / 2) / KEYS_UNIT
+            n = min(self._step_size, max(1, int(room / max(cost, 1e-9))))
+        self.tokens = n
+        return n
+
+    def observe(self, seconds: float, work: PassWork, prompt_tokens: int) -> None:
+        """A step took ``seconds`` for ``work``, ``prompt_tokens`` of its tokens
+        from prompts."""
+        if not self.budget.timed or work.tokens == prompt_tokens:
+            return
+        beyond = seconds - self._pass_s - self._token_s * work.tokens
+        self._keys.append((work.keys, beyond))
+        # Least squares through the origin: the seconds per unit of key reads.
+        reads = sum(k * k for k, _ in self._keys)
+        if reads > 0:
+            self._key_s = max(0.0, sum(k * b for k, b in self._keys) / reads)

@@ -265,7 +265,9 @@ def _make_decoder(
 ) -> Decoder:
     if lockstep is None:
         return make_decoder(model, options, draft, paced, budget)
-    decoder = make_plain_decoder(model, options, paced, budget)
+    if options.paged:
+        logger.info("the paged pass is off: it does not run over a group yet")
+    decoder = make_plain_decoder(model, replace(options, paged=False), paced, budget)
     if not decoder.capabilities.batching:
         raise InvalidArgument("distributed serving needs a model whose KV caches batch")
     return LeaderDecoder(decoder, lockstep) if lockstep.rank == 0 else decoder

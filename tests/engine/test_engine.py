@@ -43,13 +43,16 @@ from tests.support import (
     make_forcing_processor,
 )
 
-# Options that make the single-sequence decoder (rotating KV caches can't batch).
+# Options that make the single-sequence decoder (rotating KV caches can't batch),
+# and the one-pass decoder over paged KV.
 SINGLE = ("max_kv_size:4096",)
+PAGED = ("paged:true",)
+DECODERS = {"batched": (), "single": SINGLE, "paged": PAGED}
 
 
-@pytest.fixture(scope="module", params=["batched", "single"])
+@pytest.fixture(scope="module", params=list(DECODERS))
 def engine(request):
-    engine = load_engine(*(SINGLE if request.param == "single" else ()))
+    engine = load_engine(*DECODERS[request.param])
     yield engine
     engine.shutdown()
 
@@ -93,7 +96,7 @@ def test_batched_and_single_decoders_agree(engine):
 def test_engine_paths_give_the_same_replies():
     """Text and logprob entries, whichever decoder the load options pick."""
     replies = []
-    for options in ((), SINGLE):
+    for options in DECODERS.values():
         engine = load_engine(*options)
         try:
             requests = [
@@ -102,17 +105,20 @@ def test_engine_paths_give_the_same_replies():
             replies.append(run(engine, *requests))
         finally:
             engine.shutdown()
-    for batched, single in zip(*replies):
-        assert text_of(batched) == text_of(single)
-        entries = [
-            [lp for e in events for lp in e.logprobs] for events in (batched, single)
-        ]
-        assert len(entries[0]) == len(entries[1]) == batched[-1].completion_tokens
-        for a, b in zip(*entries):
-            assert a.token == b.token
-            assert a.logprob == pytest.approx(b.logprob, abs=device_tolerance(1e-3, 10))
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert len(a.top) == 2
+    for batched, *others in zip(*replies):
+        for other in others:
+            assert text_of(batched) == text_of(other)
+            entries = [
+                [lp for e in events for lp in e.logprobs] for events in (batched, other)
+            ]
+            assert len(entries[0]) == len(entries[1]) == batched[-1].completion_tokens
+            for a, b in zip(*entries):
+                assert a.token == b.token
+                assert a.logprob == pytest.approx(
+                    b.logprob, abs=device_tolerance(1e-3, 10)
+                )
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert len(a.top) == 2
     first = [lp.token.decode() for e in replies[1][0] for lp in e.logprobs]
     assert first == ANSWER_PIECES
 

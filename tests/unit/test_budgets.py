@@ -15,9 +15,13 @@ from mlx_backend.decoders.proposers import NgramProposer
 from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.decoders.step_budget import (
     DECODE_WINDOW,
+    KEYS_UNIT,
     MEAN_MULTIPLE,
     NO_STEP_BUDGET,
+    PASS_MULTIPLE,
     STEP_MULTIPLE,
+    PassPacer,
+    PassWork,
     PrefillPacer,
     StepBudget,
     StepCosts,
@@ -461,3 +465,46 @@ def test_a_decode_step_is_timed_while_no_prefill_is_under_way():
     for _ in range(DECODE_WINDOW):
         pacer.observe(0.030, 2, 0)
     assert pacer.decode_s == pytest.approx(0.030)
+
+
+def one_pass(rows: int, rows_depth: int, chunk: int, depth: int) -> PassWork:
+    """A one-pass step: ``rows`` decode rows at ``rows_depth`` and a chunk of
+    ``chunk`` prompt tokens ending ``depth`` deep."""
+    keys = rows * rows_depth + chunk * depth - chunk * (chunk - 1) / 2
+    return PassWork(rows + chunk, keys / KEYS_UNIT)
+
+
+def test_a_one_pass_step_keeps_its_multiple_of_its_decode_rows_as_they_deepen():
+    """A pass costs 15 ms plus 4 ms a token and 2 ms per 1000 keys read (the
+    embedded model on 2 cores, roughly): from the load's measurement, which knows
+    nothing of depth, the pacer learns the key cost from the steps it sees, and
+    then each step takes PASS_MULTIPLE times what its two decode rows alone would,
+    however deep the rows and the prompt are."""
+    pacer = PassPacer(choose_step_budget(None, costs(20, 15, 4)), 256)
+
+    def seconds(work: PassWork) -> float:
+        return 0.015 + 0.004 * work.tokens + 0.002 * work.keys
+
+    done, rows_depth, ratios, chunks = 0, 500, [], []
+    while done < 3000:
+        rows = one_pass(2, rows_depth, 0, 0)
+        n = pacer.prompt_tokens(rows, done)
+        step = one_pass(2, rows_depth, n, done + n)
+        pacer.observe(seconds(step), step, n)
+        ratios.append(seconds(step) / seconds(rows))
+        chunks.append(n)
+        done += n
+        rows_depth += 1
+    # After its first steps, within a tenth of the multiple, and never far over.
+    assert all(abs(r - PASS_MULTIPLE) < 0.1 * PASS_MULTIPLE for r in ratios[20:])
+    assert max(ratios) < 1.5 * PASS_MULTIPLE
+    # Deep in the prompt the chunks shrink.
+    assert chunks[-1] < chunks[20]
+
+
+def test_a_one_pass_budget_in_tokens_or_none():
+    pacer = PassPacer(StepBudget("test", tokens=13), 256)
+    assert pacer.prompt_tokens(PassWork(0, 0.0), 0) == 256
+    assert pacer.prompt_tokens(PassWork(4, 1.0), 900) == 9
+    assert pacer.prompt_tokens(PassWork(20, 1.0), 900) == 1
+    assert PassPacer(NO_STEP_BUDGET, 256).prompt_tokens(PassWork(4, 1.0), 0) == 256

@@ -111,6 +111,19 @@ NB_MODULE(_qmm, m) {
       "mask"_a = nb::none(),
       "sinks"_a = nb::none(),
       "stream"_a = nb::none());
+  m.def(
+      "paged_attention",
+      &qmm::paged_attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "segments"_a,
+      "tables"_a,
+      nb::kw_only(),
+      "scale"_a,
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none(),
+      "Attention of flattened sequences over paged keys and values, one node.");
   // Operations MLX's CPU build runs one scalar exp at a time.
   m.def(
       "swiglu",

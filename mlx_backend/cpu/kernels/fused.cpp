@@ -616,6 +616,7 @@ void CpuAttention::eval_cpu(
       row.dims = D;
       row.value_dims = Dv;
       row.keys = causal ? std::clamp(S - L + l + 1, 0, S) : S;
+      row.pages = nullptr;
       row.keep = nullptr;
       row.bias = nullptr;
       row.mask_stride = mask_strides[3];
@@ -674,6 +675,149 @@ std::vector<mx::Shape> CpuAttention::output_shapes(
     const std::vector<mx::array>& inputs) {
   auto& q = inputs[0];
   return {{q.shape(0), q.shape(1), q.shape(2), inputs[2].shape(3)}};
+}
+
+mx::array paged_attention(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& segments,
+    const mx::array& tables,
+    float scale,
+    const std::optional<mx::array>& sinks,
+    mx::StreamOrDevice s_) {
+  const char* op = "paged_attention";
+  int heads = queries.ndim() == 4 ? queries.shape(1) : 0;
+  bool fits = queries.ndim() == 4 && queries.shape(0) == 1 && keys.ndim() == 3 &&
+      values.ndim() == 3 && keys.shape(0) == values.shape(0) &&
+      keys.shape(0) % fused::KEYS_BLOCK == 0 && keys.shape(1) == values.shape(1) &&
+      keys.shape(2) == queries.shape(3) && heads % keys.shape(1) == 0 &&
+      segments.ndim() == 2 && segments.shape(1) == 3 && tables.ndim() == 2 &&
+      tables.shape(0) == segments.shape(0);
+  if (!fits) {
+    std::ostringstream msg;
+    msg << "[" << op << "] incompatible shapes: queries " << queries.shape()
+        << ", keys " << keys.shape() << ", values " << values.shape()
+        << ", segments " << segments.shape() << ", tables " << tables.shape()
+        << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  auto out_type = mx::promote_types(
+      queries.dtype(), mx::promote_types(keys.dtype(), values.dtype()));
+  check_floating(op, out_type);
+  auto s = mx::to_stream(s_, mx::Device::cpu);
+  std::vector<mx::array> inputs = {
+      as(queries, mx::float32, s),
+      as(keys, mx::float32, s),
+      as(values, mx::float32, s),
+      mx::contiguous(as(segments, mx::int32, s), false, s),
+      mx::contiguous(as(tables, mx::int32, s), false, s)};
+  if (sinks.has_value()) {
+    check_vector(op, "sinks", *sinks, heads);
+    inputs.push_back(as(*sinks, mx::float32, s));
+  }
+  auto y = mx::array(
+      {1, heads, queries.shape(2), values.shape(2)},
+      mx::float32,
+      std::make_shared<CpuPagedAttention>(s, scale, sinks.has_value()),
+      std::move(inputs));
+  return as(y, out_type, s);
+}
+
+void CpuPagedAttention::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  dispatch_task(stream(), inputs, out, [scale = scale_, has_sinks = has_sinks_](
+                                           std::vector<mx::array>& in,
+                                           mx::array& out) {
+    Tensor4 q = tensor4(in[0]);
+    int heads = in[0].shape(1), L = in[0].shape(2), D = in[0].shape(3);
+    int kv_heads = in[1].shape(1), Dv = in[2].shape(2);
+    int repeats = heads / kv_heads;
+    if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
+      throw std::invalid_argument("[paged_attention] pools must be contiguous");
+    }
+    const float* k = in[1].data<float>();
+    const float* v = in[2].data<float>();
+    const int32_t* segments = in[3].data<int32_t>();
+    const int32_t* tables = in[4].data<int32_t>();
+    int count = in[3].shape(0), width = in[4].shape(1);
+    const float* sinks = has_sinks ? in.back().data<float>() : nullptr;
+    float* y = out.data<float>();
+    // Tasks: a few positions of one sequence's kv head, deepest first.
+    struct Task {
+      int segment, first, end;
+    };
+    std::vector<Task> tasks;
+    double work = 0;
+    for (int i = 0; i < count; i++) {
+      int start = segments[3 * i], n = segments[3 * i + 1];
+      int context = segments[3 * i + 2];
+      if (start < 0 || n < 0 || start + n > L || context < n ||
+          (context + fused::KEYS_BLOCK - 1) / fused::KEYS_BLOCK > width) {
+        throw std::invalid_argument("[paged_attention] a segment is out of range");
+      }
+      for (int end = n; end > 0; end -= POSITIONS_PER_TASK) {
+        tasks.push_back({i, std::max(0, end - POSITIONS_PER_TASK), end});
+      }
+      work += double(heads) * n * context * (D + Dv);
+    }
+    int64_t token_stride = int64_t(kv_heads) * D;
+    int64_t value_stride = int64_t(kv_heads) * Dv;
+    const RowKernels& kernels = row_kernels();
+    int total = int(tasks.size()) * kv_heads;
+    run_tasks(total, work, [&](int t) {
+      const Task& task = tasks[t / kv_heads];
+      int kv = t % kv_heads;
+      int start = segments[3 * task.segment], n = segments[3 * task.segment + 1];
+      int context = segments[3 * task.segment + 2];
+      const int32_t* pages = tables + int64_t(task.segment) * width;
+      thread_local std::vector<fused::AttentionRow> rows;
+      thread_local std::vector<float> scratch;
+      rows.clear();
+      for (int l = task.first; l < task.end; l++) {
+        for (int h = kv * repeats; h < (kv + 1) * repeats; h++) {
+          fused::AttentionRow row;
+          row.q = q.data + h * q.strides[1] + (start + l) * q.strides[2];
+          row.k = k + kv * D;
+          row.v = v + kv * Dv;
+          row.k_stride = token_stride;
+          row.v_stride = value_stride;
+          row.pages = pages;
+          row.k_page_stride = token_stride * fused::KEYS_BLOCK;
+          row.v_page_stride = value_stride * fused::KEYS_BLOCK;
+          row.dims = D;
+          row.value_dims = Dv;
+          row.keys = context - n + l + 1;
+          row.keep = nullptr;
+          row.bias = nullptr;
+          row.mask_stride = 0;
+          row.scale = scale;
+          row.has_sink = sinks != nullptr;
+          row.sink = sinks != nullptr ? sinks[h] : 0.0f;
+          row.out = y + (int64_t(h) * L + start + l) * Dv;
+          rows.push_back(row);
+        }
+      }
+      int rows_count = int(rows.size());
+      scratch.resize(fused::attention_rows_scratch(rows_count, D));
+      kernels.attention_rows(rows.data(), rows_count, scratch.data());
+    });
+  });
+}
+
+void CpuPagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[CpuPagedAttention] runs on the CPU only");
+}
+
+bool CpuPagedAttention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const CpuPagedAttention&>(other);
+  return scale_ == o.scale_ && has_sinks_ == o.has_sinks_;
+}
+
+std::vector<mx::Shape> CpuPagedAttention::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {{1, inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(2)}};
 }
 
 void set_fused_isa(const std::string& isa) {

@@ -48,6 +48,20 @@ mx::array attention(
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s = {});
 
+// Attention of a pass's flattened tokens (queries [1, heads, tokens, dims]) over
+// paged keys and values ([pages * KEYS_BLOCK, kv_heads, dims]). Each row of
+// `segments` (first token, tokens, context) is one sequence: its queries see its
+// first `context` keys, causal within the segment, through its row of `tables`.
+mx::array paged_attention(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& segments,
+    const mx::array& tables,
+    float scale,
+    const std::optional<mx::array>& sinks,
+    mx::StreamOrDevice s = {});
+
 // mlx-lm's swiglu: silu(gate) * x, for inputs of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s = {});
 
@@ -167,6 +181,26 @@ class CpuAttention : public mx::UnaryPrimitive {
   float scale_;
   bool causal_;
   bool has_mask_;
+  bool has_sinks_;
+};
+
+class CpuPagedAttention : public mx::UnaryPrimitive {
+ public:
+  // Inputs: queries, key and value pools, segments, tables, then sinks if given.
+  CpuPagedAttention(mx::Stream stream, float scale, bool has_sinks)
+      : mx::UnaryPrimitive(stream), scale_(scale), has_sinks_(has_sinks) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CpuPagedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
   bool has_sinks_;
 };
 

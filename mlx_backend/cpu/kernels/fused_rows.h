@@ -14,6 +14,11 @@ struct AttentionRow {
   const float* v; // value j at v + j * v_stride
   int64_t k_stride;
   int64_t v_stride;
+  // Paged keys and values (null: contiguous): key j at
+  // k + pages[j / KEYS_BLOCK] * k_page_stride + (j % KEYS_BLOCK) * k_stride.
+  const int32_t* pages;
+  int64_t k_page_stride;
+  int64_t v_page_stride;
   int dims;
   int value_dims;
   int keys; // the keys it may see: 0 .. keys - 1

@@ -299,12 +299,17 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   for (int j0 = 0; j0 < keys; j0 += KEYS_BLOCK) {
     int n = std::min(KEYS_BLOCK, keys - j0);
     const float* k = first.k + j0 * first.k_stride;
+    const float* v = first.v + j0 * first.v_stride;
+    if (first.pages != nullptr) {
+      int64_t page = first.pages[j0 / KEYS_BLOCK];
+      k = first.k + page * first.k_page_stride;
+      v = first.v + page * first.v_page_stride;
+    }
     for (int j = 0; j < KEYS_BLOCK; j++) {
       for (int d = 0; d < dims; d++) {
         kt[d * KEYS_BLOCK + j] = j < n ? k[j * first.k_stride + d] : 0.0f;
       }
     }
-    const float* v = first.v + j0 * first.v_stride;
     // Rows in pairs where both see keys of this block, else alone.
     for (int r = 0; r < count;) {
       int seen = std::min(n, rows[r].keys - j0);

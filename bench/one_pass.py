@@ -1,0 +1,158 @@
+"""Part 16 of ``make bench``: one forward pass per step over paged KV
+(``paged:true``) beside the batch decoder (``paged:false``), side by side.
+
+Part 11's long-prompt scenario (``bench/admission.py``) with streams that decode
+through the whole prefill, as on a server that is never idle: on each side a
+lone stream's inter-token time and the long prompt's time to first token alone
+are measured first, and the streams get the tokens that last the 4 s before the
+prompt plus twice its time alone at that pace. Runs alternate the sides' order;
+each side is judged by its worst run against issue 68's goals.
+"""
+
+import logging
+import math
+import random
+import statistics
+from contextlib import ExitStack
+from pathlib import Path
+
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+import backend_pb2 as pb
+from bench.admission import (
+    BEFORE_S,
+    EOS,
+    LONG_TOKENS,
+    SEED,
+    LongPrompt,
+    grpc_maker,
+    long_prompt_run,
+)
+from bench.batching import grpc_stream
+from bench.model_families import varied_text
+
+logger = logging.getLogger(__name__)
+
+SIDES = {"paged": ("paged:true",), "batch": ("paged:false",)}
+CONTEXT_SIZE = 8192
+PACE_TOKENS = 64
+# Issue 68's goals, every run.
+GOAL_LONG_OVER_ALONE = 1.5
+GOAL_GAP_RATIO = 4.0
+GOAL_DURING_RATIO = 3.0
+GOAL_SHORT_TTFT_S = 0.5
+
+
+def pace(stub, long_text: str) -> tuple[float, float]:
+    """A lone stream's median inter-token time, and the long prompt's time to
+    its first token alone (a warm-up opening no later prompt shares)."""
+    stream = grpc_stream(
+        stub, "Pace. Write a story about a lighthouse.", PACE_TOKENS, EOS
+    )
+    gaps = [b - a for a, b in zip(stream.arrivals, stream.arrivals[1:])]
+    alone = grpc_stream(stub, f"Pace document. {long_text}", 4, EOS)
+    return statistics.median(gaps), alone.arrivals[0] - alone.start
+
+
+def met(run: LongPrompt) -> dict[str, bool]:
+    return {
+        "long": run.long_over_alone <= GOAL_LONG_OVER_ALONE,
+        "gap": bool(run.tokens_after) and run.gap_ratio <= GOAL_GAP_RATIO,
+        "during": run.during_ratio <= GOAL_DURING_RATIO,
+        "short": run.short_ttft_s <= GOAL_SHORT_TTFT_S,
+    }
+
+
+def bench_one_pass(running_process, folder: Path, runs: int) -> tuple[dict, list[str]]:
+    """Args:
+    running_process: ``bench.running_process``: a fresh backend.
+    folder: The default model as an MLX folder (its tokenizer).
+    runs: Runs of the scenario on each side.
+    """
+    tokenizer = load_tokenizer(folder)
+    long_text = varied_text(random.Random(SEED), tokenizer, LONG_TOKENS)
+    results: dict[str, list[LongPrompt]] = {name: [] for name in SIDES}
+    sizing = {}
+    with ExitStack() as stack:
+        stubs = {}
+        for name, options in SIDES.items():
+            server = stack.enter_context(running_process())
+            loaded = server.stub.LoadModel(
+                pb.ModelOptions(
+                    Model="default", ContextSize=CONTEXT_SIZE, Options=list(options)
+                )
+            )
+            assert loaded.success, loaded.message
+            stubs[name] = server.stub
+        for name, stub in stubs.items():
+            itl, alone = pace(stub, long_text)
+            tokens = math.ceil((BEFORE_S + 2 * alone) / itl)
+            sizing[name] = (itl, alone, tokens)
+            logger.info(
+                "one pass: %s ITL %.1f ms, alone %.1f s", name, itl * 1e3, alone
+            )
+        order = list(SIDES)
+        for run in range(runs):
+            for name in order if run % 2 == 0 else order[::-1]:
+                logger.info("one pass: %s, run %d", name, run)
+                results[name].append(
+                    long_prompt_run(
+                        grpc_maker(stubs[name]),
+                        long_text,
+                        run,
+                        stream_tokens=sizing[name][2],
+                    )
+                )
+    report = {
+        "sizing": sizing,
+        "runs": {
+            name: [vars(r) | {"met": met(r)} for r in rs]
+            for name, rs in results.items()
+        },
+    }
+    return report, lines_of(results, sizing)
+
+
+def lines_of(results: dict[str, list[LongPrompt]], sizing: dict) -> list[str]:
+    lines = [
+        f"16. one pass over paged KV (paged:true) beside the batch decoder "
+        f"(paged:false): a {LONG_TOKENS}-token prompt {BEFORE_S:g} s after 2 streams "
+        "began, a one-line request 0.5 s later; the streams decode through the "
+        "whole prefill (tokens: 4 s plus twice the prompt's time alone, at a lone "
+        f"stream's pace); ContextSize {CONTEXT_SIZE}, greedy, EOS banned",
+        f"{'side':<7}{'run':>4}{'ITL ms':>7}{'gap/ITL':>8}{'prefill /ITL':>13}"
+        f"{'short TTFT s':>13}{'long TTFT s':>12}{'alone s':>8}{'long/alone':>11}"
+        f"{'after':>6}{'outlast':>8}",
+    ]
+    for name, runs in results.items():
+        itl, alone, tokens = sizing[name]
+        lines.append(
+            f"{name}: lone stream {itl * 1e3:.1f} ms a token, the prompt alone "
+            f"{alone:.1f} s, streams of {tokens} tokens"
+        )
+        for i, run in enumerate(runs):
+            lines.append(
+                f"{name:<7}{i:>4}{run.before_s * 1e3:>7.1f}{run.gap_ratio:>7.1f}x"
+                f"{run.during_ratio:>12.1f}x{run.short_ttft_s:>13.2f}"
+                f"{run.long_ttft_s:>12.2f}{run.alone_ttft_s:>8.2f}"
+                f"{run.long_over_alone:>10.2f}x{run.tokens_after:>6}"
+                f"{'yes' if run.streams_outlast_long else 'no':>8}"
+            )
+    for name, runs in results.items():
+        worst = {
+            "long": max(r.long_over_alone for r in runs),
+            "gap": max(r.gap_ratio for r in runs),
+            "during": max(r.during_ratio for r in runs),
+            "short": max(r.short_ttft_s for r in runs),
+        }
+        every = {goal: all(met(r)[goal] for r in runs) for goal in worst}
+        verdict = {goal: "met" if ok else "missed" for goal, ok in every.items()}
+        lines.append(
+            f"{name}, worst of {len(runs)}: long TTFT {worst['long']:.2f}x alone "
+            f"(<= {GOAL_LONG_OVER_ALONE:g}x, {verdict['long']}); longest gap "
+            f"{worst['gap']:.1f}x (<= {GOAL_GAP_RATIO:g}x, {verdict['gap']}); while "
+            f"prefilling {worst['during']:.1f}x (<= {GOAL_DURING_RATIO:g}x, "
+            f"{verdict['during']}); short TTFT {worst['short']:.2f} s "
+            f"(<= {GOAL_SHORT_TTFT_S:g} s, {verdict['short']})"
+        )
+    return lines

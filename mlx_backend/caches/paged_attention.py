@@ -1,0 +1,117 @@
+"""RoPE and attention over pages, as ``mx.fast`` sees them in a paged pass.
+
+``install_paged_ops`` puts a function in ``mx.fast`` for ``rope`` and
+``scaled_dot_product_attention`` that handles what a ``PagedLayer`` hands the
+model's attention (``TokenPositions`` as the offset, ``PagedKeys`` as keys and
+values) and passes anything else to what was there before (MLX's own, or the CPU
+kernels' routing). Every family's attention code reaches them unchanged.
+
+RoPE rotates each token at its own position: the tokens become rows of a batch,
+one offset per row, which ``mx.fast.rope`` takes on every device. Attention runs
+per sequence over its pages: on the CPU kernels one primitive reads the pages
+directly; elsewhere each sequence's pages are gathered and the inner
+``scaled_dot_product_attention`` runs on them (causal within a chunk).
+"""
+
+import mlx.core as mx
+
+from mlx_backend.caches.paged import PagedKeys, TokenPositions
+from mlx_backend.cpu.kernels import fast_ops
+
+_inner: dict = {}
+
+
+def _rope(a, dims, *, traditional, base, scale, offset, freqs=None, stream=None):
+    inner = _inner["rope"]
+    if not isinstance(offset, TokenPositions):
+        return inner(
+            a,
+            dims,
+            traditional=traditional,
+            base=base,
+            scale=scale,
+            offset=offset,
+            freqs=freqs,
+            stream=stream,
+        )
+    layout = offset.layout
+    if len(layout.segments) == 1:
+        # One sequence's tokens: consecutive positions from its first.
+        (segment,) = layout.segments
+        return inner(
+            a,
+            dims,
+            traditional=traditional,
+            base=base,
+            scale=scale,
+            offset=segment.context - segment.tokens,
+            freqs=freqs,
+            stream=stream,
+        )
+    # [1, heads, tokens, dims] -> one batch row a token.
+    _, heads, tokens, width = a.shape
+    rows = a[0].swapaxes(0, 1)[:, :, None, :]
+    rotated = inner(
+        rows,
+        dims,
+        traditional=traditional,
+        base=base,
+        scale=scale,
+        offset=layout.positions,
+        freqs=freqs,
+        stream=stream,
+    )
+    return rotated.reshape(tokens, heads, width).swapaxes(0, 1)[None]
+
+
+def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
+    if not isinstance(k, PagedKeys):
+        return _inner["scaled_dot_product_attention"](
+            q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs
+        )
+    kernels = fast_ops.routed_kernels()
+    if kernels is not None and stream is None and q.dtype == mx.float32:
+        layout = k.layout
+        return kernels.paged_attention(
+            q,
+            k.kv.keys[k.layer],
+            k.kv.values[k.layer],
+            layout.segment_array,
+            layout.tables,
+            scale=scale,
+            sinks=sinks,
+        )
+    return gathered_attention(q, k, scale, sinks, stream)
+
+
+def gathered_attention(q, k: PagedKeys, scale, sinks=None, stream=None) -> mx.array:
+    """Attention per sequence over its gathered pages (the portable path)."""
+    inner = _inner["scaled_dot_product_attention"]
+    outputs = []
+    for s in k.layout.segments:
+        keys, values = k.kv.read(k.layer, s.pages, s.context)
+        outputs.append(
+            inner(
+                q[:, :, s.start : s.start + s.tokens, :],
+                keys.astype(q.dtype),
+                values.astype(q.dtype),
+                scale=scale,
+                mask="causal" if s.tokens > 1 else None,
+                sinks=sinks,
+                stream=stream,
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+
+
+_PAGED = {"rope": _rope, "scaled_dot_product_attention": _attention}
+
+
+def install_paged_ops() -> None:
+    """Route ``mx.fast``'s RoPE and attention through the paged forms in this
+    process (idempotent; again after anything else replaced them)."""
+    for name, fn in _PAGED.items():
+        current = getattr(mx.fast, name)
+        if current is not fn:
+            _inner[name] = current
+            setattr(mx.fast, name, fn)

@@ -1,0 +1,260 @@
+"""The one-pass decoder over paged KV (``mlx_backend/decoders/paged.py``), driven by
+hand: every family of the matrix either runs on pages, its greedy tokens and
+logprobs as mlx-lm's alone while sequences join, leave and start from a cached
+prefix with chunks that split pages, or is refused with its reason; a long prompt
+beside two decoding sequences is done within a bounded number of steps where the
+batch decoder starves it; pages come back on finish, cancel and error."""
+
+import math
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.utils import load as load_mlx_lm
+
+from mlx_backend.caches.paged import PAGE_TOKENS
+from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops, route_fast_ops
+from mlx_backend.decoders.base import NewSequence
+from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.paged import NotPaged, PagedDecoder, paged_layers
+from mlx_backend.decoders.step_budget import PASS_MULTIPLE, StepBudget, StepCosts
+from mlx_backend.models.mlx_lm_fixes import apply_fixes
+from mlx_utils import make_kv_cache
+from python_utils import parse_options
+from tests.family_models import FAMILIES
+from tests.support import device_tolerance, near_tie
+
+# The families whose caches and attention run on pages; the rest say why not.
+PAGED = {"llama", "qwen3", "phi3"}
+OPTIONS = parse_options(["prefill_step_size:256"])
+# Prompt tokens a step carries beside decode rows: chunks of 13 less the rows,
+# which split pages at varied offsets.
+SMALL_STEPS = StepBudget("test", tokens=13)
+
+
+def prompt_of(length: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 250) for _ in range(length))
+
+
+def reference(model, prompt, max_tokens: int) -> list[tuple[int, float, float]]:
+    """mlx-lm's greedy tokens alone, with each one's logprob and margin."""
+    steps = []
+    for token, logprobs in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=greedy_sampler
+    ):
+        second, first = mx.sort(logprobs)[-2:].tolist()
+        steps.append((token, logprobs[token].item(), first - second))
+    return steps
+
+
+def sequence(model, prompt, max_tokens, cache=None, rest=None, **fields):
+    return NewSequence(
+        prompt=prompt,
+        rest=prompt if rest is None else rest,
+        kv_cache=cache or make_kv_cache(model, OPTIONS),
+        sampler=greedy_sampler,
+        processors=[],
+        max_tokens=max_tokens,
+        logprobs=1,
+        **fields,
+    )
+
+
+def run_until_done(decoder, keys: dict) -> dict:
+    """Step until every sequence in ``keys`` (key -> name) is done: each name's
+    tokens and logprobs, and its KV state."""
+    out = {name: ([], [], None) for name in keys.values()}
+    while keys:
+        for result in decoder.step():
+            assert result.error is None
+            name = keys.get(result.key)
+            if name is None:
+                continue
+            tokens, scores, _ = out[name]
+            tokens += result.tokens
+            scores += [s[0] for s in result.logprobs]
+            if result.done:
+                del keys[result.key]
+                out[name] = (tokens, scores, decoder.remove(result.key))
+    return out
+
+
+def assert_as_reference(tokens, scores, steps) -> None:
+    """Token for token as mlx-lm alone, up to a near tie; logprobs within noise."""
+    for i, (token, logprob, margin) in enumerate(steps):
+        if tokens[i] != token:
+            assert margin < near_tie(), f"parted at {i}: {tokens} != {steps}"
+            return
+        assert scores[i] == pytest.approx(logprob, abs=device_tolerance(1e-4, 10))
+    assert len(tokens) == len(steps)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, family_folder):
+    apply_fixes()
+    route_fast_ops()
+    model, _ = load_mlx_lm(str(family_folder(request.param)))
+    return request.param, model
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "gathered"])
+def test_families_on_pages_as_mlx_lm(family, kernels):
+    name, model = family
+    try:
+        shapes = paged_layers(model, OPTIONS)
+    except NotPaged as e:
+        assert name not in PAGED, f"{name} fell back: {e}"
+        assert str(e)
+        return
+    assert name in PAGED
+    prompts = {
+        "short": prompt_of(9, 1),
+        "long": prompt_of(3 * PAGE_TOKENS + 5, 2),
+        "late": prompt_of(40, 3),
+    }
+    with mlx_fast_ops() if not kernels else _nothing():
+        decoder = PagedDecoder(model, OPTIONS, shapes, SMALL_STEPS)
+        keys = {decoder.add(sequence(model, prompts["short"], 10)): "short"}
+        keys[decoder.add(sequence(model, prompts["long"], 12))] = "long"
+        out = {}
+        for _ in range(4):
+            for result in decoder.step():
+                name_ = keys[result.key]
+                tokens, scores, _ = out.setdefault(name_, ([], [], None))
+                tokens += result.tokens
+                scores += [s[0] for s in result.logprobs]
+        # A sequence joins mid-run, as others decode and prefill.
+        keys[decoder.add(sequence(model, prompts["late"], 12))] = "late"
+        rest = run_until_done(decoder, dict(keys))
+        for n, (tokens, scores, state) in rest.items():
+            before = out.get(n, ([], [], None))
+            out[n] = (before[0] + tokens, before[1] + scores, state)
+        for n, prompt in prompts.items():
+            tokens, scores, state = out[n]
+            steps = reference(model, prompt, len(tokens))
+            assert_as_reference(tokens, scores, steps)
+            # Its KV state holds the prompt and every token fed after it.
+            assert list(state.tokens) == [*prompt, *tokens[:-1]]
+            assert state.cache[0].offset == len(state.tokens)
+        # A second turn starts from the first's KV state, which pages hold again.
+        tokens, _, state = out["long"]
+        second = (*state.tokens, tokens[-1], *prompt_of(20, 4))
+        rest = second[len(state.tokens) :]
+        key = decoder.add(sequence(model, second, 8, cache=state.cache, rest=rest))
+        tokens, scores, _ = run_until_done(decoder, {key: "second"})["second"]
+        assert_as_reference(tokens, scores, reference(model, second, 8))
+        assert decoder.kv_nbytes() == 0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture(scope="module")
+def llama(family_folder):
+    route_fast_ops()
+    model, _ = load_mlx_lm(str(family_folder("llama")))
+    return model
+
+
+# A decode step's 20 ms and a prompt token's 4 ms, as a 2-core CPU runs the
+# embedded model; the steps' own times are not learnt (no timing in the test).
+COSTS = StepCosts(decode_s=0.02, pass_s=0.0, token_s=0.004, peak_bytes_per_token=0)
+LONG = 3000
+
+
+def steps_to_prefill(decoder, model, limit: int) -> int | None:
+    """Steps until a 3,000-token prompt's first token, while two sequences
+    decode throughout; None: not within ``limit``."""
+    decoder.pacer.observe = lambda *args, **kwargs: None
+    for seed in (5, 6):
+        decoder.add(sequence(model, prompt_of(20, seed), 10_000))
+    for _ in range(8):
+        decoder.step()
+    long = decoder.add(sequence(model, prompt_of(LONG, 7), 4))
+    for step in range(1, limit + 1):
+        if any(r.key == long and r.tokens for r in decoder.step()):
+            return step
+    return None
+
+
+def test_a_long_prompt_beside_decoding_sequences_is_done_in_bounded_steps(llama):
+    """A step takes PASS_MULTIPLE times what its two decode rows alone would (a
+    pass's fixed cost, at least a decode step's less its token, and a token's):
+    the paged pass carries the prompt tokens that fit in the rest, beside its
+    decode rows, about 12 a step here. The batch decoder's budget for a pass of
+    its own, which reads every weight again, left the prompt one token a step."""
+    budget = StepBudget("test", costs=COSTS)
+    alone = COSTS.decode_s - COSTS.token_s + 2 * COSTS.token_s
+    per_step = math.floor((PASS_MULTIPLE - 1) * alone / COSTS.token_s)
+    bound = LONG // per_step + 3
+    shapes = paged_layers(llama, OPTIONS)
+    paged = PagedDecoder(llama, OPTIONS, shapes, budget)
+    assert steps_to_prefill(paged, llama, bound) is not None
+    batch = BatchDecoder(llama, OPTIONS, True, budget=budget)
+    assert steps_to_prefill(batch, llama, bound) is None
+    batch.close()
+
+
+def test_pages_come_back_on_finish_cancel_and_error(llama):
+    shapes = paged_layers(llama, OPTIONS)
+    decoder = PagedDecoder(llama, OPTIONS, shapes, SMALL_STEPS)
+    kv = decoder._kv
+    rng = random.Random(68)
+    cancelled = set()
+    live = set()
+    for round_ in range(60):
+        if rng.random() < 0.5 or not live:
+            flag = rng.random() < 0.2
+            seq = sequence(
+                llama,
+                prompt_of(rng.randint(1, 90), round_),
+                rng.randint(1, 6),
+                cancelled=(lambda: True) if flag else (lambda: False),
+            )
+            key = decoder.add(seq)
+            live.add(key)
+            if flag:
+                cancelled.add(key)
+        elif rng.random() < 0.3:
+            # A client that leaves mid-run.
+            decoder.remove(live.pop())
+        for result in decoder.step():
+            assert result.error is None
+            if result.done and result.key in live:
+                live.discard(result.key)
+                decoder.remove(result.key, keep_state=rng.random() < 0.5)
+    assert cancelled
+    for key in list(live):
+        decoder.remove(key)
+    assert kv.pages_held == 0
+    # An error in a step drops every sequence, and their pages.
+    decoder.add(sequence(llama, prompt_of(50, 9), 5))
+    decoder.add(sequence(llama, prompt_of(70, 10), 5))
+    decoder.step()
+
+    def fail(*args):
+        raise RuntimeError("boom")
+
+    decoder._forward = fail
+    results = decoder.step()
+    assert len(results) == 2 and all(r.done and r.error for r in results)
+    assert decoder.kv_nbytes() == 0
+
+
+def test_a_prompt_of_many_chunks_alone_as_mlx_lm(llama):
+    """Steps that only prefill (no row samples) write their KV and return nothing."""
+    options = parse_options(["prefill_step_size:16"])
+    decoder = PagedDecoder(llama, options, paged_layers(llama, options))
+    prompt = prompt_of(70, 11)
+    key = decoder.add(sequence(llama, prompt, 6))
+    assert decoder.step() == [] and decoder.step() == []
+    tokens, scores, _ = run_until_done(decoder, {key: "alone"})["alone"]
+    assert_as_reference(tokens, scores, reference(llama, prompt, 6))

@@ -1,0 +1,172 @@
+"""Paged KV (``mlx_backend/caches/paged.py``): page accounting under random joins,
+shares and leaves; a pass's layout; copies in and out of mlx-lm's caches; and
+attention over pages, the CPU kernel's primitive against attention over each
+sequence's gathered pages, on each instruction set."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlx_backend.caches.paged import (
+    PAGE_TOKENS,
+    LayerShape,
+    PagedKeys,
+    PagedKV,
+    Segment,
+    make_layout,
+    pages_for,
+)
+from mlx_backend.caches.paged_attention import gathered_attention, install_paged_ops
+
+SHAPE = LayerShape(kv_heads=2, key_dims=16, value_dims=16, dtype=mx.float32)
+
+
+def test_pages_come_back_after_ten_thousand_random_joins_and_leaves():
+    kv = PagedKV([SHAPE], pages=4)
+    rng = random.Random(68)
+    live: list[list[int]] = []
+    most = 0
+    for _ in range(10_000):
+        roll = rng.random()
+        if roll < 0.45 or not live:
+            live.append(kv.allocate(rng.randint(1, 6)))
+        elif roll < 0.6:
+            # A sequence that shares another's prefix pages and grows its own.
+            shared = rng.choice(live)[: rng.randint(1, 3)]
+            kv.retain(shared)
+            live.append(shared + kv.allocate(rng.randint(0, 2)))
+        else:
+            kv.release(live.pop(rng.randrange(len(live))))
+        held = {p for table in live for p in table}
+        assert kv.pages_held == len(held)
+        most = max(most, kv.pages_held)
+    for table in live:
+        kv.release(table)
+    assert kv.pages_held == 0 and kv.nbytes() == 0
+    # The pools grew by doubling, to what the most held pages needed.
+    assert most <= kv.pages < 2 * most + 4
+
+
+def test_a_shared_page_is_freed_by_its_last_holder():
+    kv = PagedKV([SHAPE], pages=2)
+    (page,) = kv.allocate(1)
+    kv.retain([page])
+    kv.release([page])
+    assert kv.refs(page) == 1 and kv.pages_held == 1
+    kv.release([page])
+    assert kv.pages_held == 0
+    with pytest.raises(AssertionError):
+        kv.release([page])
+
+
+def test_the_byte_count_is_every_layers_keys_and_values():
+    kv = PagedKV([SHAPE, LayerShape(1, 8, 4, mx.float16)], pages=2)
+    assert kv.page_nbytes == PAGE_TOKENS * (2 * 32 * 4 + 1 * 12 * 2)
+    kv.allocate(3)
+    assert kv.nbytes() == 3 * kv.page_nbytes
+
+
+def test_a_layout_places_each_token_in_its_page():
+    segments = [Segment(0, 1, 40, (3, 5)), Segment(1, 3, 35, (1, 0))]
+    layout = make_layout(segments)
+    assert layout.positions.tolist() == [39, 32, 33, 34]
+    assert layout.slots.tolist() == [
+        5 * PAGE_TOKENS + 7,
+        0 * PAGE_TOKENS + 0,
+        0 * PAGE_TOKENS + 1,
+        0 * PAGE_TOKENS + 2,
+    ]
+    assert layout.segment_array.tolist() == [[0, 1, 40], [1, 3, 35]]
+    assert layout.tables.tolist() == [[3, 5], [1, 0]]
+
+
+def test_a_cache_goes_into_pages_and_comes_back_the_same():
+    rng = np.random.default_rng(0)
+    caches = []
+    for _ in range(2):
+        cache = KVCache()
+        keys = mx.array(rng.normal(size=(1, 2, 45, 16)).astype(np.float32))
+        values = mx.array(rng.normal(size=(1, 2, 45, 16)).astype(np.float32))
+        cache.update_and_fetch(keys, values)
+        caches.append(cache)
+    kv = PagedKV([SHAPE, SHAPE], pages=1)
+    pages = kv.allocate(pages_for(40))
+    # Pages out of order, as a pool that served others hands them out.
+    pages.reverse()
+    kv.load(pages, caches, 40)
+    back = kv.export(pages, 40)
+    for mine, theirs in zip(back, caches):
+        assert mine.offset == 40
+        assert mx.array_equal(mine.keys[..., :40, :], theirs.keys[..., :40, :])
+        assert mx.array_equal(mine.values[..., :40, :], theirs.values[..., :40, :])
+
+
+def random_pools(kv: PagedKV, seed: int) -> None:
+    key = mx.random.key(seed)
+    for layer in range(len(kv.shapes)):
+        k1, k2, key = mx.random.split(key, 3)
+        kv.keys[layer] = mx.random.normal(kv.keys[layer].shape, key=k1)
+        kv.values[layer] = mx.random.normal(kv.values[layer].shape, key=k2)
+
+
+# Decode rows, a chunk deep in its context that splits pages, a first chunk, and
+# one token at a page's edge; queries per kv head 1 and 4.
+SEGMENTS = (
+    Segment(0, 1, 40, (3, 5)),
+    Segment(1, 20, 70, (0, 2, 7)),
+    Segment(21, 1, 7, (1,)),
+    Segment(22, 3, 3, (4,)),
+    Segment(25, 1, 33, (6, 8)),
+)
+
+
+@pytest.fixture(params=["best", "portable"])
+def isa(qmm, request):
+    qmm.set_fused_isa("auto" if request.param == "best" else "portable")
+    yield qmm.fused_isa()
+    qmm.set_fused_isa("auto")
+
+
+@pytest.mark.parametrize("heads", [2, 8])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
+    install_paged_ops()
+    kv = PagedKV([SHAPE], pages=9)
+    random_pools(kv, heads)
+    layout = make_layout(SEGMENTS)
+    q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(1))
+    # Queries as mlx-lm hands them over: a transposed view.
+    q = q.swapaxes(1, 2).reshape(1, layout.tokens, heads, 16).swapaxes(1, 2)
+    sink = mx.random.normal((heads,), key=mx.random.key(2)) if sinks else None
+    expected = gathered_attention(q, PagedKeys(kv, 0, layout), 0.25, sink)
+    got = qmm.paged_attention(
+        q,
+        kv.keys[0],
+        kv.values[0],
+        layout.segment_array,
+        layout.tables,
+        scale=0.25,
+        sinks=sink,
+    )
+    assert got.shape == expected.shape
+    assert mx.max(mx.abs(got - expected)).item() < 2e-6
+
+
+def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):
+    kv = PagedKV([SHAPE], pages=2)
+    layout = make_layout([Segment(0, 1, 40, (0, 1))])
+    q = mx.zeros((1, 2, 1, 16))
+    with pytest.raises(RuntimeError, match="out of range"):
+        mx.eval(
+            qmm.paged_attention(
+                q,
+                kv.keys[0],
+                kv.values[0],
+                mx.array([[0, 1, 70]], mx.int32),
+                layout.tables,
+                scale=1.0,
+            )
+        )
