@@ -228,6 +228,12 @@ def main(argv: list[str] | None = None) -> None:
         help="part 16's runs of the long-prompt scenario on each side",
     )
     parser.add_argument(
+        "--one-pass-seconds",
+        type=float,
+        default=180.0,
+        help="how long part 16's arrival clients send requests on each side",
+    )
+    parser.add_argument(
         "--admission-flood-tokens",
         type=int,
         default=FLOOD_TOKENS,
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as folder:
             exported = export_mlx_folder(default_model_path(), Path(folder))
             report["one_pass"], part = bench_one_pass(
-                running_process, exported, args.one_pass_runs
+                running_process, exported, args.one_pass_runs, args.one_pass_seconds
             )
         lines += [""] + part
     if 12 in parts:
