@@ -125,11 +125,14 @@ def met(run: LongPrompt) -> dict[str, bool]:
     }
 
 
-def bench_one_pass(running_process, folder: Path, runs: int) -> tuple[dict, list[str]]:
+def bench_one_pass(
+    running_process, folder: Path, runs: int, seconds: float
+) -> tuple[dict, list[str]]:
     """Args:
     running_process: ``bench.running_process``: a fresh backend.
     folder: The default model as an MLX folder (its tokenizer).
-    runs: Runs of the scenario on each side.
+    runs: Runs of scenario 1 on each side (0: none).
+    seconds: How long scenario 2's clients send requests (0: no scenario 2).
     """
     tokenizer = load_tokenizer(folder)
     long_text = varied_text(random.Random(SEED), tokenizer, LONG_TOKENS)

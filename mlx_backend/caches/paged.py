@@ -180,13 +180,6 @@ class PagedKV:
                 c.values[..., :length, :],
             )
 
-    def copy_page(self, source: int, target: int, rows: int) -> None:
-        """The first ``rows`` tokens of page ``source`` into page ``target``."""
-        at = mx.arange(rows, dtype=mx.int32)
-        for pools in (self.keys, self.values):
-            for layer, pool in enumerate(pools):
-                pool[target * PAGE_TOKENS + at] = pool[source * PAGE_TOKENS + at]
-
     def _grow(self, more: int) -> None:
         for layer, s in enumerate(self.shapes):
             for pools, dims in ((self.keys, s.key_dims), (self.values, s.value_dims)):

@@ -16,6 +16,7 @@ step's sampled tokens, still lazy, before the host reads those.
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -56,11 +57,11 @@ logger = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Row:
     key: int
-    sampler: object
+    sampler: Callable
     processors: list
     logprobs: int | None
     max_tokens: int
-    cancelled: object
+    cancelled: Callable[[], bool]
     # Prompt tokens not yet in a pass; the KV pages and the tokens they hold
     # (or a queued pass writes), prompt first.
     prompt: list[int]
