@@ -79,6 +79,7 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
             layout.segment_array,
             layout.tables,
             scale=scale,
+            arena_pages=k.kv.arena_pages,
             sinks=sinks,
         )
     return gathered_attention(q, k, scale, sinks, stream)

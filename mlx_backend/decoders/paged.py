@@ -28,7 +28,6 @@ from mlx_backend.caches.paged import (
     PagedKV,
     PagedLayer,
     Segment,
-    make_layout,
     pages_for,
 )
 from mlx_backend.caches.paged_attention import install_paged_ops
@@ -224,7 +223,7 @@ class PagedDecoder(Decoder):
         if chunk:
             inputs.append(mx.array(chunk, dtype=mx.uint32))
         tokens = inputs[0] if len(inputs) == 1 else mx.concatenate(inputs)
-        layout = make_layout(segments)
+        layout = self._kv.layout(segments)
         with mx.stream(thread_stream()):
             views = [PagedLayer(self._kv, i, layout) for i in range(len(self._shapes))]
             if not sampling:
@@ -357,7 +356,7 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
         for c in cache
     ]
     install_paged_ops()
-    kv = PagedKV(shapes, pages=1)
+    kv = PagedKV(shapes, arena_pages=1)
     pages = tuple(kv.allocate(1))
     try:
         got = []
@@ -365,7 +364,7 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
             (Segment(0, n - 1, n - 1, pages), tokens[: n - 1]),
             (Segment(0, 1, n, pages), tokens[n - 1 :]),
         ):
-            layout = make_layout([segment])
+            layout = kv.layout([segment])
             views = [PagedLayer(kv, i, layout) for i in range(len(shapes))]
             got.append(model(part[None], cache=views)[0, -1])
             mx.eval(got)

@@ -25,7 +25,7 @@ SHAPE = LayerShape(kv_heads=2, key_dims=16, value_dims=16, dtype=mx.float32)
 
 
 def test_pages_come_back_after_ten_thousand_random_joins_and_leaves():
-    kv = PagedKV([SHAPE], pages=4)
+    kv = PagedKV([SHAPE], arena_pages=4)
     rng = random.Random(68)
     live: list[list[int]] = []
     most = 0
@@ -46,12 +46,13 @@ def test_pages_come_back_after_ten_thousand_random_joins_and_leaves():
     for table in live:
         kv.release(table)
     assert kv.pages_held == 0 and kv.nbytes() == 0
-    # The pools grew by doubling, to what the most held pages needed.
-    assert most <= kv.pages < 2 * most + 4
+    # The store grew an arena at a time, to what the most held pages needed.
+    assert most <= kv.pages < most + 4
+    assert len(kv.keys[0]) == kv.pages // 4
 
 
 def test_a_shared_page_is_freed_by_its_last_holder():
-    kv = PagedKV([SHAPE], pages=2)
+    kv = PagedKV([SHAPE], arena_pages=2)
     (page,) = kv.allocate(1)
     kv.retain([page])
     kv.release([page])
@@ -63,7 +64,7 @@ def test_a_shared_page_is_freed_by_its_last_holder():
 
 
 def test_the_byte_count_is_every_layers_keys_and_values():
-    kv = PagedKV([SHAPE, LayerShape(1, 8, 4, mx.float16)], pages=2)
+    kv = PagedKV([SHAPE, LayerShape(1, 8, 4, mx.float16)], arena_pages=2)
     assert kv.page_nbytes == PAGE_TOKENS * (2 * 32 * 4 + 1 * 12 * 2)
     kv.allocate(3)
     assert kv.nbytes() == 3 * kv.page_nbytes
@@ -71,9 +72,11 @@ def test_the_byte_count_is_every_layers_keys_and_values():
 
 def test_a_layout_places_each_token_in_its_page():
     segments = [Segment(0, 1, 40, (3, 5)), Segment(1, 3, 35, (1, 0))]
-    layout = make_layout(segments)
+    layout = make_layout(segments, arena_pages=8)
     assert layout.positions.tolist() == [39, 32, 33, 34]
-    assert layout.slots.tolist() == [
+    (write,) = layout.writes
+    assert write.arena == 0 and write.tokens is None
+    assert write.rows.tolist() == [
         5 * PAGE_TOKENS + 7,
         0 * PAGE_TOKENS + 0,
         0 * PAGE_TOKENS + 1,
@@ -81,6 +84,12 @@ def test_a_layout_places_each_token_in_its_page():
     ]
     assert layout.segment_array.tolist() == [[0, 1, 40], [1, 3, 35]]
     assert layout.tables.tolist() == [[3, 5], [1, 0]]
+    # Arenas of 2 pages: pages 5 and 0 (and 1) land in arenas 2 and 0.
+    writes = make_layout(segments, arena_pages=2).writes
+    assert [(w.arena, w.rows.tolist(), w.tokens.tolist()) for w in writes] == [
+        (0, [0, 1, 2], [1, 2, 3]),
+        (2, [PAGE_TOKENS + 7], [0]),
+    ]
 
 
 def test_a_cache_goes_into_pages_and_comes_back_the_same():
@@ -92,9 +101,10 @@ def test_a_cache_goes_into_pages_and_comes_back_the_same():
         values = mx.array(rng.normal(size=(1, 2, 45, 16)).astype(np.float32))
         cache.update_and_fetch(keys, values)
         caches.append(cache)
-    kv = PagedKV([SHAPE, SHAPE], pages=1)
+    kv = PagedKV([SHAPE, SHAPE], arena_pages=1)
     pages = kv.allocate(pages_for(40))
-    # Pages out of order, as a pool that served others hands them out.
+    # Pages out of order and in two arenas, as a store that served others hands
+    # them out.
     pages.reverse()
     kv.load(pages, caches, 40)
     back = kv.export(pages, 40)
@@ -107,9 +117,10 @@ def test_a_cache_goes_into_pages_and_comes_back_the_same():
 def random_pools(kv: PagedKV, seed: int) -> None:
     key = mx.random.key(seed)
     for layer in range(len(kv.shapes)):
-        k1, k2, key = mx.random.split(key, 3)
-        kv.keys[layer] = mx.random.normal(kv.keys[layer].shape, key=k1)
-        kv.values[layer] = mx.random.normal(kv.values[layer].shape, key=k2)
+        for arenas in (kv.keys[layer], kv.values[layer]):
+            for i, arena in enumerate(arenas):
+                key, draw = mx.random.split(key)
+                arenas[i] = mx.random.normal(arena.shape, key=draw)
 
 
 # Decode rows, a chunk deep in its context that splits pages, a first chunk, and
@@ -134,9 +145,11 @@ def isa(qmm, request):
 @pytest.mark.parametrize("sinks", [False, True])
 def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
     install_paged_ops()
-    kv = PagedKV([SHAPE], pages=9)
+    # Pages in three arenas, a sequence's table across them.
+    kv = PagedKV([SHAPE], arena_pages=4)
+    kv.allocate(9)
     random_pools(kv, heads)
-    layout = make_layout(SEGMENTS)
+    layout = kv.layout(SEGMENTS)
     q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(1))
     # Queries as mlx-lm hands them over: a transposed view.
     q = q.swapaxes(1, 2).reshape(1, layout.tokens, heads, 16).swapaxes(1, 2)
@@ -149,6 +162,7 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
         layout.segment_array,
         layout.tables,
         scale=0.25,
+        arena_pages=kv.arena_pages,
         sinks=sink,
     )
     assert got.shape == expected.shape
@@ -156,17 +170,22 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
 
 
 def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):
-    kv = PagedKV([SHAPE], pages=2)
-    layout = make_layout([Segment(0, 1, 40, (0, 1))])
+    kv = PagedKV([SHAPE], arena_pages=2)
+    layout = kv.layout([Segment(0, 1, 40, (0, 1))])
     q = mx.zeros((1, 2, 1, 16))
-    with pytest.raises(RuntimeError, match="out of range"):
-        mx.eval(
-            qmm.paged_attention(
-                q,
-                kv.keys[0],
-                kv.values[0],
-                mx.array([[0, 1, 70]], mx.int32),
-                layout.tables,
-                scale=1.0,
+    for segments, tables in (
+        (mx.array([[0, 1, 70]], mx.int32), layout.tables),
+        (layout.segment_array, mx.array([[0, 2]], mx.int32)),
+    ):
+        with pytest.raises(RuntimeError, match="out of range"):
+            mx.eval(
+                qmm.paged_attention(
+                    q,
+                    kv.keys[0],
+                    kv.values[0],
+                    segments,
+                    tables,
+                    scale=1.0,
+                    arena_pages=kv.arena_pages,
+                )
             )
-        )

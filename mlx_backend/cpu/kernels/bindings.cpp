@@ -121,9 +121,10 @@ NB_MODULE(_qmm, m) {
       "tables"_a,
       nb::kw_only(),
       "scale"_a,
+      "arena_pages"_a,
       "sinks"_a = nb::none(),
       "stream"_a = nb::none(),
-      "Attention of flattened sequences over paged keys and values, one node.");
+      "Attention of flattened sequences over paged keys and values in arenas, one node.");
   // Operations MLX's CPU build runs one scalar exp at a time.
   m.def(
       "swiglu",

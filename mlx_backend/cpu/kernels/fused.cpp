@@ -679,47 +679,62 @@ std::vector<mx::Shape> CpuAttention::output_shapes(
 
 mx::array paged_attention(
     const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
     const mx::array& segments,
     const mx::array& tables,
     float scale,
+    int arena_pages,
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s_) {
   const char* op = "paged_attention";
   int heads = queries.ndim() == 4 ? queries.shape(1) : 0;
-  bool fits = queries.ndim() == 4 && queries.shape(0) == 1 && keys.ndim() == 3 &&
-      values.ndim() == 3 && keys.shape(0) == values.shape(0) &&
-      keys.shape(0) % fused::KEYS_BLOCK == 0 && keys.shape(1) == values.shape(1) &&
-      keys.shape(2) == queries.shape(3) && heads % keys.shape(1) == 0 &&
-      segments.ndim() == 2 && segments.shape(1) == 3 && tables.ndim() == 2 &&
+  bool fits = queries.ndim() == 4 && queries.shape(0) == 1 && !keys.empty() &&
+      keys.size() == values.size() && arena_pages > 0 && segments.ndim() == 2 &&
+      segments.shape(1) == 3 && tables.ndim() == 2 &&
       tables.shape(0) == segments.shape(0);
+  for (size_t a = 0; fits && a < keys.size(); a++) {
+    auto &k = keys[a], &v = values[a];
+    fits = k.ndim() == 3 && v.ndim() == 3 &&
+        k.shape(0) == int64_t(arena_pages) * fused::KEYS_BLOCK &&
+        v.shape(0) == k.shape(0) && k.shape(1) == keys[0].shape(1) &&
+        v.shape(1) == k.shape(1) && k.shape(2) == queries.shape(3) &&
+        v.shape(2) == values[0].shape(2) && heads % k.shape(1) == 0;
+  }
   if (!fits) {
     std::ostringstream msg;
     msg << "[" << op << "] incompatible shapes: queries " << queries.shape()
-        << ", keys " << keys.shape() << ", values " << values.shape()
-        << ", segments " << segments.shape() << ", tables " << tables.shape()
-        << ".";
+        << ", " << keys.size() << " key and " << values.size()
+        << " value arenas of " << arena_pages << " pages, segments "
+        << segments.shape() << ", tables " << tables.shape() << ".";
     throw std::invalid_argument(msg.str());
   }
-  auto out_type = mx::promote_types(
-      queries.dtype(), mx::promote_types(keys.dtype(), values.dtype()));
+  auto out_type = queries.dtype();
+  for (auto* arenas : {&keys, &values}) {
+    for (auto& a : *arenas) {
+      out_type = mx::promote_types(out_type, a.dtype());
+    }
+  }
   check_floating(op, out_type);
   auto s = mx::to_stream(s_, mx::Device::cpu);
   std::vector<mx::array> inputs = {
       as(queries, mx::float32, s),
-      as(keys, mx::float32, s),
-      as(values, mx::float32, s),
       mx::contiguous(as(segments, mx::int32, s), false, s),
       mx::contiguous(as(tables, mx::int32, s), false, s)};
+  for (auto* arenas : {&keys, &values}) {
+    for (auto& a : *arenas) {
+      inputs.push_back(mx::contiguous(as(a, mx::float32, s), false, s));
+    }
+  }
   if (sinks.has_value()) {
     check_vector(op, "sinks", *sinks, heads);
     inputs.push_back(as(*sinks, mx::float32, s));
   }
   auto y = mx::array(
-      {1, heads, queries.shape(2), values.shape(2)},
+      {1, heads, queries.shape(2), values[0].shape(2)},
       mx::float32,
-      std::make_shared<CpuPagedAttention>(s, scale, sinks.has_value()),
+      std::make_shared<CpuPagedAttention>(
+          s, scale, int(keys.size()), arena_pages, sinks.has_value()),
       std::move(inputs));
   return as(y, out_type, s);
 }
@@ -727,21 +742,26 @@ mx::array paged_attention(
 void CpuPagedAttention::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  dispatch_task(stream(), inputs, out, [scale = scale_, has_sinks = has_sinks_](
+  dispatch_task(stream(), inputs, out, [scale = scale_,
+                                        arenas = arenas_,
+                                        arena_pages = arena_pages_,
+                                        has_sinks = has_sinks_](
                                            std::vector<mx::array>& in,
                                            mx::array& out) {
     Tensor4 q = tensor4(in[0]);
     int heads = in[0].shape(1), L = in[0].shape(2), D = in[0].shape(3);
-    int kv_heads = in[1].shape(1), Dv = in[2].shape(2);
+    auto& first_keys = in[3];
+    auto& first_values = in[3 + arenas];
+    int kv_heads = first_keys.shape(1), Dv = first_values.shape(2);
     int repeats = heads / kv_heads;
-    if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
-      throw std::invalid_argument("[paged_attention] pools must be contiguous");
+    std::vector<const float*> k_arenas(arenas), v_arenas(arenas);
+    for (int a = 0; a < arenas; a++) {
+      k_arenas[a] = in[3 + a].data<float>();
+      v_arenas[a] = in[3 + arenas + a].data<float>();
     }
-    const float* k = in[1].data<float>();
-    const float* v = in[2].data<float>();
-    const int32_t* segments = in[3].data<int32_t>();
-    const int32_t* tables = in[4].data<int32_t>();
-    int count = in[3].shape(0), width = in[4].shape(1);
+    const int32_t* segments = in[1].data<int32_t>();
+    const int32_t* tables = in[2].data<int32_t>();
+    int count = in[1].shape(0), width = in[2].shape(1);
     const float* sinks = has_sinks ? in.back().data<float>() : nullptr;
     float* y = out.data<float>();
     // Tasks: a few positions of one sequence's kv head, deepest first.
@@ -753,8 +773,14 @@ void CpuPagedAttention::eval_cpu(
     for (int i = 0; i < count; i++) {
       int start = segments[3 * i], n = segments[3 * i + 1];
       int context = segments[3 * i + 2];
-      if (start < 0 || n < 0 || start + n > L || context < n ||
-          (context + fused::KEYS_BLOCK - 1) / fused::KEYS_BLOCK > width) {
+      int pages = (context + fused::KEYS_BLOCK - 1) / fused::KEYS_BLOCK;
+      bool fits = start >= 0 && n >= 0 && start + n <= L && context >= n &&
+          pages <= width;
+      for (int p = 0; fits && p < pages; p++) {
+        int page = tables[int64_t(i) * width + p];
+        fits = page >= 0 && page < arenas * arena_pages;
+      }
+      if (!fits) {
         throw std::invalid_argument("[paged_attention] a segment is out of range");
       }
       for (int end = n; end > 0; end -= POSITIONS_PER_TASK) {
@@ -771,7 +797,6 @@ void CpuPagedAttention::eval_cpu(
       int kv = t % kv_heads;
       int start = segments[3 * task.segment], n = segments[3 * task.segment + 1];
       int context = segments[3 * task.segment + 2];
-      const int32_t* pages = tables + int64_t(task.segment) * width;
       thread_local std::vector<fused::AttentionRow> rows;
       thread_local std::vector<float> scratch;
       rows.clear();
@@ -779,13 +804,18 @@ void CpuPagedAttention::eval_cpu(
         for (int h = kv * repeats; h < (kv + 1) * repeats; h++) {
           fused::AttentionRow row;
           row.q = q.data + h * q.strides[1] + (start + l) * q.strides[2];
-          row.k = k + kv * D;
-          row.v = v + kv * Dv;
+          row.k = nullptr;
+          row.v = nullptr;
           row.k_stride = token_stride;
           row.v_stride = value_stride;
-          row.pages = pages;
+          row.pages = tables + int64_t(task.segment) * width;
+          row.k_arenas = k_arenas.data();
+          row.v_arenas = v_arenas.data();
+          row.arena_pages = arena_pages;
           row.k_page_stride = token_stride * fused::KEYS_BLOCK;
           row.v_page_stride = value_stride * fused::KEYS_BLOCK;
+          row.k_head = int64_t(kv) * D;
+          row.v_head = int64_t(kv) * Dv;
           row.dims = D;
           row.value_dims = Dv;
           row.keys = context - n + l + 1;
@@ -812,12 +842,13 @@ void CpuPagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool CpuPagedAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const CpuPagedAttention&>(other);
-  return scale_ == o.scale_ && has_sinks_ == o.has_sinks_;
+  return scale_ == o.scale_ && arenas_ == o.arenas_ &&
+      arena_pages_ == o.arena_pages_ && has_sinks_ == o.has_sinks_;
 }
 
 std::vector<mx::Shape> CpuPagedAttention::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {{1, inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(2)}};
+  return {{1, inputs[0].shape(1), inputs[0].shape(2), inputs[3 + arenas_].shape(2)}};
 }
 
 void set_fused_isa(const std::string& isa) {

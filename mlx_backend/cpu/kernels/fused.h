@@ -49,16 +49,19 @@ mx::array attention(
     mx::StreamOrDevice s = {});
 
 // Attention of a pass's flattened tokens (queries [1, heads, tokens, dims]) over
-// paged keys and values ([pages * KEYS_BLOCK, kv_heads, dims]). Each row of
-// `segments` (first token, tokens, context) is one sequence: its queries see its
-// first `context` keys, causal within the segment, through its row of `tables`.
+// paged keys and values, held in arenas of `arena_pages` pages each ([arena_pages
+// * KEYS_BLOCK, kv_heads, dims]; page p is page p % arena_pages of arena p /
+// arena_pages). Each row of `segments` (first token, tokens, context) is one
+// sequence: its queries see its first `context` keys, causal within the segment,
+// through its row of `tables`.
 mx::array paged_attention(
     const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
     const mx::array& segments,
     const mx::array& tables,
     float scale,
+    int arena_pages,
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s = {});
 
@@ -186,9 +189,19 @@ class CpuAttention : public mx::UnaryPrimitive {
 
 class CpuPagedAttention : public mx::UnaryPrimitive {
  public:
-  // Inputs: queries, key and value pools, segments, tables, then sinks if given.
-  CpuPagedAttention(mx::Stream stream, float scale, bool has_sinks)
-      : mx::UnaryPrimitive(stream), scale_(scale), has_sinks_(has_sinks) {}
+  // Inputs: queries, segments, tables, the key arenas, the value arenas, then
+  // sinks if given.
+  CpuPagedAttention(
+      mx::Stream stream,
+      float scale,
+      int arenas,
+      int arena_pages,
+      bool has_sinks)
+      : mx::UnaryPrimitive(stream),
+        scale_(scale),
+        arenas_(arenas),
+        arena_pages_(arena_pages),
+        has_sinks_(has_sinks) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -201,6 +214,8 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
 
  private:
   float scale_;
+  int arenas_;
+  int arena_pages_;
   bool has_sinks_;
 };
 

@@ -14,11 +14,17 @@ struct AttentionRow {
   const float* v; // value j at v + j * v_stride
   int64_t k_stride;
   int64_t v_stride;
-  // Paged keys and values (null: contiguous): key j at
-  // k + pages[j / KEYS_BLOCK] * k_page_stride + (j % KEYS_BLOCK) * k_stride.
+  // Paged keys and values (pages null: contiguous, as above): with page
+  // p = pages[j / KEYS_BLOCK], key j at k_arenas[p / arena_pages] +
+  // (p % arena_pages) * k_page_stride + k_head + (j % KEYS_BLOCK) * k_stride.
   const int32_t* pages;
+  const float* const* k_arenas;
+  const float* const* v_arenas;
+  int arena_pages;
   int64_t k_page_stride;
   int64_t v_page_stride;
+  int64_t k_head;
+  int64_t v_head;
   int dims;
   int value_dims;
   int keys; // the keys it may see: 0 .. keys - 1

@@ -301,9 +301,11 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
     const float* k = first.k + j0 * first.k_stride;
     const float* v = first.v + j0 * first.v_stride;
     if (first.pages != nullptr) {
-      int64_t page = first.pages[j0 / KEYS_BLOCK];
-      k = first.k + page * first.k_page_stride;
-      v = first.v + page * first.v_page_stride;
+      int page = first.pages[j0 / KEYS_BLOCK];
+      int arena = page / first.arena_pages;
+      int64_t local = page % first.arena_pages;
+      k = first.k_arenas[arena] + local * first.k_page_stride + first.k_head;
+      v = first.v_arenas[arena] + local * first.v_page_stride + first.v_head;
     }
     for (int j = 0; j < KEYS_BLOCK; j++) {
       for (int d = 0; d < dims; d++) {
