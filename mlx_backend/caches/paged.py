@@ -11,7 +11,7 @@ when its last holder lets it go.
 
 A forward pass over pages hands each layer a ``PagedLayer`` in place of mlx-lm's
 cache: its ``offset`` carries every token's position (``TokenPositions``) and its
-``update_and_fetch`` returns the pools with the step's layout (``PagedKeys``),
+``update_and_fetch`` returns the arenas with the step's layout (``PagedKeys``),
 which ``caches/paged_attention.py`` turns into attention per sequence.
 """
 
@@ -199,15 +199,17 @@ class PagedKV:
         )
 
     def export(self, pages: Sequence[int], length: int) -> list[KVCache]:
-        """A copy of the first ``length`` tokens as mlx-lm caches (evaluated: the
-        arenas are written in place by the next step)."""
+        """A copy of the first ``length`` tokens as mlx-lm caches, queued on the
+        stream now (``mx.async_eval``): later steps write the arenas in place,
+        after it in the stream's order, and the engine thread does not wait for
+        the copy (175 MB for 3,800 tokens of the embedded model)."""
         caches = []
         for layer in range(len(self.shapes)):
             cache = KVCache()
             keys, values = self.read(layer, pages, length)
-            cache.state = (mx.contiguous(keys), mx.contiguous(values), length)
+            cache.state = (keys, values, length)
             caches.append(cache)
-        mx.eval([c.state for c in caches])
+        mx.async_eval([c.state for c in caches])
         return caches
 
     def load(self, pages: Sequence[int], cache: Sequence[KVCache], length: int):

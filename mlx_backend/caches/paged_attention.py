@@ -48,6 +48,17 @@ def _rope(a, dims, *, traditional, base, scale, offset, freqs=None, stream=None)
             freqs=freqs,
             stream=stream,
         )
+    if fast_ops.routed_kernels() is not None and stream is None:
+        # The CPU kernel takes a position per token (a batch of one).
+        return inner(
+            a,
+            dims,
+            traditional=traditional,
+            base=base,
+            scale=scale,
+            offset=layout.positions,
+            freqs=freqs,
+        )
     # [1, heads, tokens, dims] -> one batch row a token.
     _, heads, tokens, width = a.shape
     rows = a[0].swapaxes(0, 1)[:, :, None, :]

@@ -130,7 +130,9 @@ class PagedDecoder(Decoder):
         )
         if reused:
             row.pages = self._kv.allocate(pages_for(reused))
-            self._kv.load(row.pages, sequence.kv_cache, reused)
+            # On the steps' stream: the writes and copies keep the steps' order.
+            with mx.stream(thread_stream()):
+                self._kv.load(row.pages, sequence.kv_cache, reused)
             row.tokens = list(sequence.prompt[:reused])
         if row.processors:
             # Penalties look back over the prompt, cached part included.
@@ -159,7 +161,9 @@ class PagedDecoder(Decoder):
             return None
         state = None
         if keep_state and row.held:
-            state = KVState(self._kv.export(row.pages, row.held), list(row.tokens))
+            with mx.stream(thread_stream()):
+                cache = self._kv.export(row.pages, row.held)
+            state = KVState(cache, list(row.tokens))
         self._kv.release(row.pages)
         return state
 

@@ -20,6 +20,7 @@ from mlx_backend.caches.paged import (
     pages_for,
 )
 from mlx_backend.caches.paged_attention import gathered_attention, install_paged_ops
+from mlx_backend.cpu.kernels import fast_ops
 
 SHAPE = LayerShape(kv_heads=2, key_dims=16, value_dims=16, dtype=mx.float32)
 
@@ -189,3 +190,26 @@ def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):
                     arena_pages=kv.arena_pages,
                 )
             )
+
+
+def test_the_kernel_rotates_each_token_at_its_own_position(qmm, isa):
+    """A batch of one with a position per token (a paged pass's queries and keys)
+    as MLX rotates each token alone at its position."""
+    x = mx.random.normal((1, 4, 5, 64), key=mx.random.key(3))
+    positions = mx.array([39, 32, 33, 34, 0], mx.int32)
+    got = qmm.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=positions)
+    expected = mx.concatenate(
+        [
+            fast_ops._MLX["rope"](
+                x[:, :, t : t + 1],
+                64,
+                traditional=False,
+                base=10000.0,
+                scale=1.0,
+                offset=int(p),
+            )
+            for t, p in enumerate(positions.tolist())
+        ],
+        axis=2,
+    )
+    assert mx.max(mx.abs(got - expected)).item() < 1e-5

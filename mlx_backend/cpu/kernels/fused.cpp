@@ -361,10 +361,14 @@ mx::array rope(
     throw std::invalid_argument(msg.str());
   }
   check_floating("rope", x.dtype());
-  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.shape(0))) {
+  // One offset per batch row, or (a batch of one) one position per token.
+  bool per_token = x.shape(0) == 1 && offset.size() == x.shape(-2);
+  if (offset.ndim() > 1 ||
+      (offset.size() != 1 && offset.size() != x.shape(0) && !per_token)) {
     std::ostringstream msg;
     msg << "[rope] offset must be a scalar or vector with " << x.shape(0)
-        << " elements but has shape " << offset.shape() << ".";
+        << " elements (or " << x.shape(-2) << " positions for a batch of one)"
+        << " but has shape " << offset.shape() << ".";
     throw std::invalid_argument(msg.str());
   }
   if (!mx::issubdtype(offset.dtype(), mx::integer)) {
@@ -471,7 +475,9 @@ void CpuRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     }
     int length = x.shape(-2);
     int n = x.shape(-1);
-    angles.update(offsets, length, scale, inv_freqs);
+    // A batch of one with a position per token: each token's own angles.
+    bool per_token = x.shape(0) == 1 && length > 1 && int(offsets.size()) == length;
+    angles.update(offsets, per_token ? 1 : length, scale, inv_freqs);
     Rows rows = rows_of(x);
     int count = int(rows.starts.size());
     // Rows of one batch entry, and whether each entry has its own offset.
@@ -482,7 +488,9 @@ void CpuRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     // On this thread, as the norms.
     for (int r = 0; r < count; r++) {
       int t = r % length;
-      size_t at = ((own ? r / per_batch : 0) * size_t(length) + t) * half;
+      size_t at = per_token
+          ? size_t(t) * half
+          : ((own ? r / per_batch : 0) * size_t(length) + t) * half;
       k.rope(
           rows.data + rows.starts[r],
           angles.cos.data() + at,
@@ -717,13 +725,15 @@ mx::array paged_attention(
   }
   check_floating(op, out_type);
   auto s = mx::to_stream(s_, mx::Device::cpu);
+  // The layout's arrays and the arenas are row-contiguous as the store makes
+  // them (checked when the task runs): no copies, no more nodes.
   std::vector<mx::array> inputs = {
       as(queries, mx::float32, s),
-      mx::contiguous(as(segments, mx::int32, s), false, s),
-      mx::contiguous(as(tables, mx::int32, s), false, s)};
+      as(segments, mx::int32, s),
+      as(tables, mx::int32, s)};
   for (auto* arenas : {&keys, &values}) {
     for (auto& a : *arenas) {
-      inputs.push_back(mx::contiguous(as(a, mx::float32, s), false, s));
+      inputs.push_back(as(a, mx::float32, s));
     }
   }
   if (sinks.has_value()) {
@@ -748,6 +758,12 @@ void CpuPagedAttention::eval_cpu(
                                         has_sinks = has_sinks_](
                                            std::vector<mx::array>& in,
                                            mx::array& out) {
+    for (size_t i = 1; i < in.size() - (has_sinks ? 1 : 0); i++) {
+      if (!in[i].flags().row_contiguous) {
+        throw std::invalid_argument(
+            "[paged_attention] the layout and the arenas must be row-contiguous");
+      }
+    }
     Tensor4 q = tensor4(in[0]);
     int heads = in[0].shape(1), L = in[0].shape(2), D = in[0].shape(3);
     auto& first_keys = in[3];

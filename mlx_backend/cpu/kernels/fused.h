@@ -130,7 +130,8 @@ class CpuNorm : public mx::UnaryPrimitive {
 
 class CpuRoPE : public mx::UnaryPrimitive {
  public:
-  // Inputs: x, the offset (a scalar or one per batch row), then freqs if given.
+  // Inputs: x, the offset (a scalar, one per batch row, or for a batch of one a
+  // position per token), then freqs if given.
   CpuRoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
       : mx::UnaryPrimitive(stream),
         dims_(dims),
