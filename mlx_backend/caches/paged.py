@@ -243,9 +243,12 @@ def pages_for(tokens: int) -> int:
 
 
 def _slots(pages: Sequence[int], at: np.ndarray) -> np.ndarray:
-    """The rows, store-wide, of positions ``at`` through a table of ``pages``."""
-    table = np.asarray(pages, dtype=np.int32)
-    return table[at // PAGE_TOKENS] * PAGE_TOKENS + at % PAGE_TOKENS
+    """The rows, store-wide, of consecutive positions ``at`` through a table of
+    ``pages``; only the pages they fall in are read (a decode row: one, however
+    long its table)."""
+    first = int(at[0]) // PAGE_TOKENS
+    table = np.asarray(pages[first : int(at[-1]) // PAGE_TOKENS + 1], dtype=np.int32)
+    return table[at // PAGE_TOKENS - first] * PAGE_TOKENS + at % PAGE_TOKENS
 
 
 def _rows(

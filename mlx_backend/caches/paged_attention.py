@@ -22,57 +22,32 @@ _inner: dict = {}
 
 
 def _rope(a, dims, *, traditional, base, scale, offset, freqs=None, stream=None):
-    inner = _inner["rope"]
-    if not isinstance(offset, TokenPositions):
-        return inner(
-            a,
+    def rotate(x, at):
+        return _inner["rope"](
+            x,
             dims,
             traditional=traditional,
             base=base,
             scale=scale,
-            offset=offset,
+            offset=at,
             freqs=freqs,
             stream=stream,
         )
+
+    if not isinstance(offset, TokenPositions):
+        return rotate(a, offset)
     layout = offset.layout
     if len(layout.segments) == 1:
         # One sequence's tokens: consecutive positions from its first.
         (segment,) = layout.segments
-        return inner(
-            a,
-            dims,
-            traditional=traditional,
-            base=base,
-            scale=scale,
-            offset=segment.context - segment.tokens,
-            freqs=freqs,
-            stream=stream,
-        )
+        return rotate(a, segment.context - segment.tokens)
     if fast_ops.routed_kernels() is not None and stream is None:
         # The CPU kernel takes a position per token (a batch of one).
-        return inner(
-            a,
-            dims,
-            traditional=traditional,
-            base=base,
-            scale=scale,
-            offset=layout.positions,
-            freqs=freqs,
-        )
+        return rotate(a, layout.positions)
     # [1, heads, tokens, dims] -> one batch row a token.
     _, heads, tokens, width = a.shape
-    rows = a[0].swapaxes(0, 1)[:, :, None, :]
-    rotated = inner(
-        rows,
-        dims,
-        traditional=traditional,
-        base=base,
-        scale=scale,
-        offset=layout.positions,
-        freqs=freqs,
-        stream=stream,
-    )
-    return rotated.reshape(tokens, heads, width).swapaxes(0, 1)[None]
+    rows = rotate(a[0].swapaxes(0, 1)[:, :, None, :], layout.positions)
+    return rows.reshape(tokens, heads, width).swapaxes(0, 1)[None]
 
 
 def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
@@ -81,6 +56,8 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
             q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs
         )
     kernels = fast_ops.routed_kernels()
+    # Half-precision arenas would be converted whole, every layer: gathered pages
+    # cost less.
     if kernels is not None and stream is None and q.dtype == mx.float32:
         layout = k.layout
         return kernels.paged_attention(
