@@ -6,10 +6,11 @@ paged decoder and on the batch decoder.
 
 The 15 rows share one 2,000-token prompt, prefilled once and handed to each as a
 prompt-cache hit (so neither decoder prefills 30,000 tokens); the sixteenth joins
-the same way, its last prompt token left to run: the batch decoder merges its KV
-into the batch's, the paged decoder copies it into pages (the prompt cache does not
-share pages yet). A step's time is the wall time of
-``Decoder.step`` (steps overlap the host, so it is the device's pace).
+the same way, its last prompt token left to run. Each decoder gets the hit in the
+form its own kept states take in the prompt cache: the batch decoder's is mlx-lm's
+caches, whose KV it merges into the batch's; the paged decoder's holds pages, whose
+full pages it shares (copying the one it writes next). A step's time is the wall
+time of ``Decoder.step`` (steps overlap the host, so it is the device's pace).
 """
 
 import argparse
@@ -20,7 +21,9 @@ from copy import deepcopy
 from dataclasses import replace
 
 import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
 
+from mlx_backend.caches.kinds import cache_length
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.paged import PagedDecoder, paged_layers
@@ -32,13 +35,24 @@ DEPTH = 2000
 PLAIN_STEPS = 9
 
 
-def cached(model, options, shared, cache) -> NewSequence:
-    """A sequence whose prompt a copy of ``cache`` holds but for its last token."""
+def cached(model, options, shared, cache, max_tokens=10_000) -> NewSequence:
+    """A sequence whose prompt a copy of ``cache`` holds but for its last token,
+    as the prompt cache hands it out."""
+    kv_cache = deepcopy(cache)
+    trim_prompt_cache(kv_cache, cache_length(kv_cache) - (len(shared) - 1))
     return replace(
-        new_sequence(model, options, shared, 10_000),
-        kv_cache=deepcopy(cache),
+        new_sequence(model, options, shared, max_tokens),
+        kv_cache=kv_cache,
         rest=shared[-1:],
     )
+
+
+def kept(decoder, model, options, shared, cache) -> list:
+    """``shared``'s KV state as the decoder keeps it for the prompt cache."""
+    key = decoder.add(cached(model, options, shared, cache, max_tokens=1))
+    while not any(r.key == key and r.done for r in decoder.step()):
+        pass
+    return decoder.remove(key).cache
 
 
 def join_ratio(decoder, model, options, shared, cache) -> tuple[float, float]:
@@ -82,9 +96,12 @@ def main() -> None:
             for name in ("paged", "batch") if round_ % 2 == 0 else ("batch", "paged"):
                 if name == "paged":
                     decoder = PagedDecoder(model, options, paged_layers(model, options))
+                    hit = kept(decoder, model, options, shared, cache)
                 else:
                     decoder = BatchDecoder(model, options, True)
-                out[name].append(join_ratio(decoder, model, options, shared, cache))
+                    hit = cache
+                out[name].append(join_ratio(decoder, model, options, shared, hit))
+                del hit
                 decoder.close()
         return out
 

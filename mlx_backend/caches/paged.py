@@ -9,12 +9,19 @@ one array per layer stalled a step for 0.65 s at 8,000 tokens of the embedded
 model). Pages are counted by reference: a page shared by several tables is freed
 when its last holder lets it go.
 
+A sequence's KV state leaves the store as a ``PagedPrefix`` per layer, which holds
+its pages (``PageLease``) instead of copying them out, and the prompt cache keeps
+that. A sequence that starts from it shares its full pages and copies only the
+page it writes next, so a prefix that many requests share is stored once.
+
 A forward pass over pages hands each layer a ``PagedLayer`` in place of mlx-lm's
 cache: its ``offset`` carries every token's position (``TokenPositions``) and its
 ``update_and_fetch`` returns the arenas with the step's layout (``PagedKeys``),
 which ``caches/paged_attention.py`` turns into attention per sequence.
 """
 
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,14 +137,14 @@ class PagedKV:
         self.values: list[list[mx.array]] = [[] for _ in self.shapes]
         self._refs: list[int] = []
         self._free: list[int] = []
+        # Prompt-cache entries let their pages go from whichever thread drops them.
+        self._lock = threading.Lock()
         self._grow()
 
     @property
     def page_nbytes(self) -> int:
         """Bytes of one page across every layer, keys and values."""
-        return PAGE_TOKENS * sum(
-            s.kv_heads * (s.key_dims + s.value_dims) * s.dtype.size for s in self.shapes
-        )
+        return sum(map(layer_page_nbytes, self.shapes))
 
     @property
     def pages(self) -> int:
@@ -156,26 +163,29 @@ class PagedKV:
 
     def allocate(self, count: int) -> list[int]:
         """``count`` free pages, held once each; arenas are added when short."""
-        while count > len(self._free):
-            self._grow()
-        taken = [self._free.pop() for _ in range(count)]
-        for page in taken:
-            self._refs[page] = 1
+        with self._lock:
+            while count > len(self._free):
+                self._grow()
+            taken = [self._free.pop() for _ in range(count)]
+            for page in taken:
+                self._refs[page] = 1
         return taken
 
     def retain(self, pages: Sequence[int]) -> None:
         """One more holder for each of ``pages``."""
-        for page in pages:
-            assert self._refs[page] > 0, "retaining a free page"
-            self._refs[page] += 1
+        with self._lock:
+            for page in pages:
+                assert self._refs[page] > 0, "retaining a free page"
+                self._refs[page] += 1
 
     def release(self, pages: Sequence[int]) -> None:
         """One holder fewer for each of ``pages``; those left with none are free."""
-        for page in pages:
-            assert self._refs[page] > 0, "releasing a free page"
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                self._free.append(page)
+        with self._lock:
+            for page in pages:
+                assert self._refs[page] > 0, "releasing a free page"
+                self._refs[page] -= 1
+                if self._refs[page] == 0:
+                    self._free.append(page)
 
     def refs(self, page: int) -> int:
         return self._refs[page]
@@ -198,19 +208,32 @@ class PagedKV:
             for arenas in (self.keys[layer], self.values[layer])
         )
 
-    def export(self, pages: Sequence[int], length: int) -> list[KVCache]:
-        """A copy of the first ``length`` tokens as mlx-lm caches, queued on the
-        stream now (``mx.async_eval``): later steps write the arenas in place,
-        after it in the stream's order, and the engine thread does not wait for
-        the copy (175 MB for 3,800 tokens of the embedded model)."""
-        caches = []
-        for layer in range(len(self.shapes)):
-            cache = KVCache()
-            keys, values = self.read(layer, pages, length)
-            cache.state = (keys, values, length)
-            caches.append(cache)
-        mx.async_eval([c.state for c in caches])
-        return caches
+    def prefix(self, pages: Sequence[int], length: int) -> list["PagedPrefix"]:
+        """The first ``length`` tokens of a table of ``pages`` as a KV state of
+        their own, per layer: it holds the pages, copying nothing."""
+        lease = PageLease(self, pages[: pages_for(length)])
+        return [PagedPrefix(lease, layer, length) for layer in range(len(self.shapes))]
+
+    def take(self, cache: Sequence, length: int) -> list[int]:
+        """A new table of pages holding the first ``length`` tokens of ``cache``.
+        A ``PagedPrefix`` of this store lends its full pages, and the page the
+        table's owner writes next is copied; mlx-lm caches (or another store's
+        pages) are loaded into new pages."""
+        first = cache[0]
+        if isinstance(first, PagedPrefix) and first.lease.kv is self:
+            pages = list(first.lease.pages[: pages_for(length)])
+            full = length // PAGE_TOKENS
+            self.retain(pages[:full])
+            if full < len(pages):
+                (own,) = self.allocate(1)
+                self._copy_page(pages[full], own)
+                pages[full] = own
+            return pages
+        if isinstance(first, PagedPrefix):
+            cache = [layer.to_kv_cache() for layer in cache]
+        pages = self.allocate(pages_for(length))
+        self.load(pages, cache, length)
+        return pages
 
     def load(self, pages: Sequence[int], cache: Sequence[KVCache], length: int):
         """The first ``length`` tokens of mlx-lm caches into ``pages``."""
@@ -224,6 +247,14 @@ class PagedKV:
                 c.values[..., :length, :],
             )
 
+    def _copy_page(self, source: int, target: int) -> None:
+        (sa, s), (ta, t) = divmod(source, self.arena_pages), divmod(
+            target, self.arena_pages
+        )
+        s, t = s * PAGE_TOKENS, t * PAGE_TOKENS
+        for arenas in (*self.keys, *self.values):
+            arenas[ta][t : t + PAGE_TOKENS] = arenas[sa][s : s + PAGE_TOKENS]
+
     def _grow(self) -> None:
         rows = self.arena_pages * PAGE_TOKENS
         for layer, s in enumerate(self.shapes):
@@ -235,6 +266,65 @@ class PagedKV:
         self._refs += [0] * more
         # Lowest pages first out of the list's end.
         self._free = list(range(first + more - 1, first - 1, -1)) + self._free
+
+
+def layer_page_nbytes(shape: LayerShape) -> int:
+    """Bytes of one page of one layer, keys and values."""
+    return (
+        PAGE_TOKENS
+        * shape.kv_heads
+        * (shape.key_dims + shape.value_dims)
+        * shape.dtype.size
+    )
+
+
+class PageLease:
+    """Pages of a store held for as long as this object lives."""
+
+    def __init__(self, kv: PagedKV, pages: Sequence[int]):
+        self.kv, self.pages = kv, tuple(pages)
+        kv.retain(self.pages)
+        weakref.finalize(self, kv.release, self.pages)
+
+
+class PagedPrefix:
+    """One layer of a KV state whose tokens live in pages: a paged decoder's
+    sequence that left, kept by the prompt cache. The prompt cache trims and
+    copies it as any growing cache (a copy shares the pages, a trim shortens it),
+    and a paged decoder that starts a sequence from it shares them (``PagedKV.take``).
+    """
+
+    def __init__(self, lease: PageLease, layer: int, offset: int):
+        self.lease, self.layer, self.offset = lease, layer, offset
+
+    @property
+    def state(self) -> tuple:
+        # Nothing of its own to evaluate: queued steps write its pages.
+        return ()
+
+    @property
+    def nbytes(self) -> int:
+        shape = self.lease.kv.shapes[self.layer]
+        return pages_for(self.offset) * layer_page_nbytes(shape)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def __deepcopy__(self, memo) -> "PagedPrefix":
+        return PagedPrefix(self.lease, self.layer, self.offset)
+
+    def to_kv_cache(self) -> KVCache:
+        """A copy of its tokens as mlx-lm's cache (a prompt file, a Score job)."""
+        cache = KVCache()
+        pages = self.lease.pages[: pages_for(self.offset)]
+        keys, values = self.lease.kv.read(self.layer, pages, self.offset)
+        cache.state = (keys, values, self.offset)
+        return cache
 
 
 def pages_for(tokens: int) -> int:

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_backend.caches.kinds import cache_length
+from mlx_backend.caches.paged import PagedPrefix
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.refusals import describe_path
 from mlx_cache import common_length
@@ -129,6 +130,8 @@ def _complete(path: Path) -> bool:
 def _as_mlx_lm(layer):
     """``layer`` as its nearest mlx-lm cache class: load_prompt_cache finds classes by
     name in mlx_lm.models.cache, so a subclass of ours would not load."""
+    if isinstance(layer, PagedPrefix):
+        return layer.to_kv_cache()
     base = next(
         (k for k in type(layer).__mro__ if k.__module__ == lm_cache.__name__), None
     )

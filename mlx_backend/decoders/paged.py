@@ -7,7 +7,8 @@ weights are read once a step whatever it carries, and attention runs per
 sequence over its pages (``caches/paged.py``). A prompt chunk thus costs its own
 compute beside the decode rows, and a long prompt advances at close to its pace
 alone while the streams keep theirs. A sequence that joins, grows or leaves
-writes or frees only its own pages.
+writes or frees only its own pages, and its KV state goes to the prompt cache as
+its pages, held, not copied; a sequence that starts from such a state shares them.
 
 Steps overlap the host: a step is queued (``mx.async_eval``) from the previous
 step's sampled tokens, still lazy, before the host reads those.
@@ -17,7 +18,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,6 +72,8 @@ class _Row:
     sampled: int = 0
     returned: int = 0
     context: TokenBuffer | None = None
+    # Prompt lengths whose KV state is handed back once a pass holds them.
+    snapshots: list[int] = field(default_factory=list)
 
     @property
     def held(self) -> int:
@@ -105,13 +108,17 @@ class PagedDecoder(Decoder):
         self._head = output_head(model)
         self._options = options
         self._shapes = shapes
-        self.capabilities = Capabilities(batching=True, trimmable_cache=True)
+        self.capabilities = Capabilities(
+            batching=True, trimmable_cache=True, prefix_snapshots=True
+        )
         self.pacer = PassPacer(budget, options.prefill_step_size)
         self._kv = PagedKV(shapes)
         self._rows: dict[int, _Row] = {}
         self._next_key = 0
         self._queued: _Queued | None = None
         self._last_read: float | None = None
+        # Snapshots taken while planning a step, to report with its results.
+        self._snapshots: dict[int, list[KVState]] = {}
 
     # -- the contract --------------------------------------------------------
 
@@ -127,12 +134,12 @@ class PagedDecoder(Decoder):
             sequence.max_tokens,
             sequence.cancelled,
             prompt=list(sequence.rest),
+            snapshots=sorted(n for n in set(sequence.snapshots) if n > reused),
         )
         if reused:
-            row.pages = self._kv.allocate(pages_for(reused))
             # On the steps' stream: the writes and copies keep the steps' order.
             with mx.stream(thread_stream()):
-                self._kv.load(row.pages, sequence.kv_cache, reused)
+                row.pages = self._kv.take(sequence.kv_cache, reused)
             row.tokens = list(sequence.prompt[:reused])
         if row.processors:
             # Penalties look back over the prompt, cached part included.
@@ -153,17 +160,18 @@ class PagedDecoder(Decoder):
             self.reset()
             return failed
         self._queued = queued
+        if self._snapshots:
+            results = self._with_snapshots(results)
         return results
 
     def remove(self, key: int, keep_state: bool = True) -> KVState | None:
         row = self._rows.pop(key, None)
         if row is None:
             return None
+        self._snapshots.pop(key, None)
         state = None
         if keep_state and row.held:
-            with mx.stream(thread_stream()):
-                cache = self._kv.export(row.pages, row.held)
-            state = KVState(cache, list(row.tokens))
+            state = KVState(self._kv.prefix(row.pages, row.held), list(row.tokens))
         self._kv.release(row.pages)
         return state
 
@@ -176,6 +184,7 @@ class PagedDecoder(Decoder):
 
     def reset(self) -> None:
         self._rows.clear()
+        self._snapshots.clear()
         self._queued = None
         self._last_read = None
         self._kv = PagedKV(self._shapes)
@@ -221,6 +230,10 @@ class PagedDecoder(Decoder):
             chunk += part
             row.tokens += part
             del row.prompt[: len(part)]
+            while row.snapshots and row.snapshots[0] <= row.held:
+                n = row.snapshots.pop(0)
+                state = KVState(self._kv.prefix(row.pages, n), row.tokens[:n])
+                self._snapshots.setdefault(row.key, []).append(state)
             if not row.prompt:
                 sampling.append(row)
                 ends.append(start + len(part) - 1)
@@ -287,6 +300,16 @@ class PagedDecoder(Decoder):
             [row.sampler(logprobs[i : i + 1]) for i, row in enumerate(rows)]
         )
         return sampled, logprobs, contexts
+
+    def _with_snapshots(self, results: list[StepResult]) -> list[StepResult]:
+        """The snapshots this step's pass holds, on their rows' results (a row
+        still in prefill gets a result of its own)."""
+        taken, self._snapshots = self._snapshots, {}
+        results = [
+            replace(r, snapshots=tuple(taken.pop(r.key, ()))) if r.key in taken else r
+            for r in results
+        ]
+        return results + [StepResult(k, snapshots=tuple(s)) for k, s in taken.items()]
 
     def _read(self, queued: _Queued | None) -> list[StepResult]:
         """The previous step's tokens, now that this one is queued."""

@@ -35,11 +35,8 @@ class _SingleRow:
     # Every token the model has been given a step for, prompt first.
     fed: list[int]
     # The tokens the KV cache holds: prefill adds whole chunks, and the step
-    # for a token runs before it is yielded, except for the last one allowed.
+    # for a token runs before it is yielded (the last one allowed included).
     held: int
-    # Tokens generated, and how many may be.
-    generated: int
-    max_tokens: int
 
 
 class SingleDecoder(Decoder):
@@ -84,8 +81,6 @@ class SingleDecoder(Decoder):
             sequence.logprobs,
             list(sequence.prompt),
             reused,
-            0,
-            sequence.max_tokens,
         )
         return key
 
@@ -108,8 +103,7 @@ class SingleDecoder(Decoder):
                 results.append(StepResult(key, done=True, state=state, error=error))
                 continue
             row.fed.append(token)
-            row.generated += 1
-            row.held = len(row.fed) - (row.generated >= row.max_tokens)
+            row.held = len(row.fed)
             scored = None
             if row.logprobs is not None:
                 scored = gather_logprobs([logprobs], [token], row.logprobs)[0]

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_backend.caches.kinds import NO_REUSE, CacheKinds, copy_prefix
+from mlx_backend.caches.paged import PagedPrefix
 from mlx_backend.caches.prompt_files import PromptFiles, make_fingerprint
 from mlx_backend.caches.quantized_kv import adopt
 from mlx_backend.cpu.blas import physical_memory
@@ -78,11 +79,17 @@ class PromptStore:
         # Arrays of kept states still to evaluate (``keep(later=True)``).
         self._unsettled: deque[mx.array] = deque()
 
-    def fetch(self, prompt: tuple[int, ...]) -> tuple[list, tuple[int, ...]]:
-        """The nearest KV cache for ``prompt`` and the prompt tokens it lacks."""
+    def fetch(
+        self, prompt: tuple[int, ...], pages: bool = False
+    ) -> tuple[list, tuple[int, ...]]:
+        """The nearest KV cache for ``prompt`` and the prompt tokens it lacks.
+        ``pages``: the caller takes a paged decoder's states as they are kept (its
+        pages, ``PagedPrefix``); else they come as copies in mlx-lm's caches."""
         kv_cache, rest = self.cache.fetch_for_prompt(self._load_id, prompt)
         if kv_cache is None:
             kv_cache = self._make_cache()
+        elif not pages and isinstance(kv_cache[0], PagedPrefix):
+            kv_cache = [layer.to_kv_cache() for layer in kv_cache]
         self._counts.reused += len(prompt) - len(rest)
         self._counts.prefilled += len(rest)
         return kv_cache, tuple(rest)

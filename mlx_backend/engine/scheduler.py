@@ -358,7 +358,7 @@ class Scheduler:
         )
         if request.prompt_file is not None:
             served.store.restore(request.prompt_file.path, request.prompt)
-        kv_cache, rest = served.store.fetch(request.prompt)
+        kv_cache, rest = served.store.fetch(request.prompt, pages=True)
         prompt = request.prompt
         snapshots = set()
         reused = len(prompt) - len(rest)

@@ -21,7 +21,11 @@ from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.errors import Aborted, FailedPrecondition, InvalidArgument
 from mlx_backend.output.reply_pipeline import Finished, Output
-from mlx_backend.request_parsing import GenerationRequest, SamplingParams
+from mlx_backend.request_parsing import (
+    GenerationRequest,
+    SamplingParams,
+    ScoreRequest,
+)
 from tests.engine_helpers import (
     chat_prompt,
     drive,
@@ -91,6 +95,30 @@ def test_batched_and_single_decoders_agree(engine):
             assert isinstance(state, KVState)
             assert tuple(state.tokens[: len(prompt)]) == prompt
             assert state.cache[0].offset >= len(prompt)
+
+
+def test_a_score_starts_from_a_replys_kept_state(engine):
+    """A Score after a reply to the same prompt starts from the reply's kept KV
+    state (the one-pass decoder's holds pages: the job gets a copy of them) and
+    scores as the model over the whole text does."""
+    prompt = chat_prompt(engine, QUESTIONS[2])
+    run(engine, generation(engine, QUESTIONS[2], max_tokens=4))
+    before = stats_after(engine)["prompt_cache_reused_tokens"]
+    candidate = (11, 12, 13)
+    request = ScoreRequest(prompt, (candidate,), engine.info.load_id)
+    (scores,) = engine.compute(request).result()
+    reused = stats_after(engine)["prompt_cache_reused_tokens"] - before
+    if engine.served.decoder.capabilities.trimmable_cache:
+        assert reused == len(prompt) - 1
+
+    def whole(model, options):
+        logits = model(mx.array([*prompt, *candidate])[None])[0, len(prompt) - 1 : -1]
+        rows = logits.astype(mx.float32)
+        rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        return [rows[i, t].item() for i, t in enumerate(candidate)]
+
+    expected = on_engine_thread(engine, whole)
+    assert scores == pytest.approx(expected, abs=device_tolerance(1e-3, 10))
 
 
 def test_engine_paths_give_the_same_replies():

@@ -5,6 +5,7 @@ prefix with chunks that split pages, or is refused with its reason; a long promp
 beside two decoding sequences is done within a bounded number of steps where the
 batch decoder starves it; pages come back on finish, cancel and error."""
 
+import gc
 import math
 import random
 
@@ -139,13 +140,22 @@ def test_families_on_pages_as_mlx_lm(family, kernels):
             # Its KV state holds the prompt and every token fed after it.
             assert list(state.tokens) == [*prompt, *tokens[:-1]]
             assert state.cache[0].offset == len(state.tokens)
-        # A second turn starts from the first's KV state, which pages hold again.
+        # A second turn starts from the first's KV state, whose full pages it
+        # shares; a third from a copy in mlx-lm's caches, loaded into pages.
         tokens, _, state = out["long"]
         second = (*state.tokens, tokens[-1], *prompt_of(20, 4))
         rest = second[len(state.tokens) :]
         key = decoder.add(sequence(model, second, 8, cache=state.cache, rest=rest))
+        assert decoder._kv.refs(state.cache[0].lease.pages[0]) == 2
         tokens, scores, _ = run_until_done(decoder, {key: "second"})["second"]
         assert_as_reference(tokens, scores, reference(model, second, 8))
+        dense = [layer.to_kv_cache() for layer in state.cache]
+        key = decoder.add(sequence(model, second, 8, cache=dense, rest=rest))
+        tokens, scores, _ = run_until_done(decoder, {key: "third"})["third"]
+        assert_as_reference(tokens, scores, reference(model, second, 8))
+        # The kept states alone held pages.
+        del out, rest, state, _
+        gc.collect()
         assert decoder.kv_nbytes() == 0
 
 

@@ -4,7 +4,8 @@ off prefills every prompt, a cancelled request's prefix serves its resend, the
 member that prefills the prefix can be cancelled, mixed bursts share within each
 group, and requests that wake the engine together are admitted together. The
 model is a tiny llama (conftest's ``tiny_llama``): what is shared, not what the
-weights say, is under test."""
+weights say, is under test. On the one-pass decoder over paged KV, the burst
+stores its prefix once."""
 
 import asyncio
 import logging
@@ -13,6 +14,7 @@ import time
 import pytest
 
 import mlx_backend.engine.loop as loop_module
+from mlx_backend.caches.paged import PAGE_TOKENS, pages_for
 from mlx_backend.engine.engine import Engine
 from mlx_backend.output.reply_pipeline import Finished
 from mlx_backend.request_parsing import GenerationRequest
@@ -63,11 +65,43 @@ def reference(tiny_llama):
     engine.shutdown()
 
 
-@pytest.fixture
-def sharing(tiny_llama):
-    engine = load_engine(model=str(tiny_llama))
+# The batch decoder snapshots a prefix by copying its KV; the one-pass decoder's
+# snapshot holds the prefix's pages, which the burst's other prompts share.
+DECODERS = {"batched": (), "paged": ("paged:true",)}
+
+
+@pytest.fixture(params=list(DECODERS))
+def sharing(request, tiny_llama):
+    engine = load_engine(*DECODERS[request.param], model=str(tiny_llama))
     yield engine
     engine.shutdown()
+
+
+def test_a_paged_burst_stores_its_shared_prefix_once(reference, tiny_llama):
+    """Eight prompts after one system prompt: the pages held at any step are the
+    prefix's once, and each prompt's own (from the page its suffix starts in)."""
+    engine = load_engine("paged:true", model=str(tiny_llama))
+    decoder = engine.served.decoder
+    questions = [f"{QUESTIONS[i % len(QUESTIONS)]} (order {i})" for i in range(8)]
+    peak, step = [0], decoder.step
+
+    def measured():
+        results = step()
+        peak[0] = max(peak[0], decoder.kv_nbytes())
+        return results
+
+    try:
+        prompts = [system_prompt(engine, BAKERY, q) for q in questions]
+        prefix = min(common_length(prompts[0], p) for p in prompts[1:])
+        on_engine_thread(engine, lambda *_: setattr(decoder, "step", measured))
+        replies = burst(engine, prompts)
+        assert [text_of(r) for r in replies] == [reference(p) for p in prompts]
+        page = decoder._kv.page_nbytes
+        own = sum(pages_for(len(p) + 12) - prefix // PAGE_TOKENS for p in prompts)
+        assert peak[0] <= (pages_for(prefix) + own) * page
+        assert peak[0] < len(prompts) * pages_for(prefix) * page
+    finally:
+        engine.shutdown()
 
 
 def burst(engine: Engine, prompts, cancel_first: bool = False) -> list[list]:

@@ -28,12 +28,14 @@ SYSTEM = " ".join(
 )
 
 
-@pytest.fixture
-def files_engine(tiny_llama):
+@pytest.fixture(params=[(), ("paged:true",)], ids=["batched", "paged"])
+def files_engine(request, tiny_llama):
     """``files_engine(model_path, *options)``: an engine serving the tiny llama
-    whose model folder (LocalAI's ModelPath) is ``model_path``."""
+    whose model folder (LocalAI's ModelPath) is ``model_path``, on the batch
+    decoder and on the one-pass decoder, whose kept states hold pages."""
 
     def load(model_path: Path, *options: str) -> Engine:
+        options = (*request.param, *options)
         return load_engine(*options, model=str(tiny_llama), model_path=str(model_path))
 
     return load

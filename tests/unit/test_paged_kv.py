@@ -1,14 +1,18 @@
 """Paged KV (``mlx_backend/caches/paged.py``): page accounting under random joins,
-shares and leaves; a pass's layout; copies in and out of mlx-lm's caches; and
+shares and leaves; a pass's layout; copies in and out of mlx-lm's caches; kept
+states that hold pages, shared by the sequences that start from them; and
 attention over pages, the CPU kernel's primitive against attention over each
 sequence's gathered pages, on each instruction set."""
 
+import copy
+import gc
 import random
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from mlx_backend.caches.paged import (
     PAGE_TOKENS,
@@ -108,11 +112,64 @@ def test_a_cache_goes_into_pages_and_comes_back_the_same():
     # them out.
     pages.reverse()
     kv.load(pages, caches, 40)
-    back = kv.export(pages, 40)
+    back = [layer.to_kv_cache() for layer in kv.prefix(pages, 40)]
     for mine, theirs in zip(back, caches):
         assert mine.offset == 40
         assert mx.array_equal(mine.keys[..., :40, :], theirs.keys[..., :40, :])
         assert mx.array_equal(mine.values[..., :40, :], theirs.values[..., :40, :])
+
+
+def test_a_kept_state_holds_its_pages_until_the_last_copy_goes():
+    kv = PagedKV([SHAPE, SHAPE], arena_pages=2)
+    pages = kv.allocate(pages_for(70))
+    kept = kv.prefix(pages, 70)
+    # The sequence leaves: the kept state alone holds its three pages.
+    kv.release(pages)
+    assert kv.pages_held == 3
+    assert sum(layer.nbytes for layer in kept) == 3 * kv.page_nbytes
+    copied = copy.deepcopy(kept)
+    trim_prompt_cache(copied, 40)
+    assert [layer.offset for layer in copied] == [30, 30]
+    assert sum(layer.nbytes for layer in copied) == kv.page_nbytes
+    del kept
+    gc.collect()
+    # The trimmed copy shares the pages it was copied from: none is freed yet.
+    assert kv.pages_held == 3
+    # Dropped from another thread (a prompt cache cleared off the engine thread).
+    dropper = threading.Thread(target=copied.clear)
+    dropper.start()
+    dropper.join()
+    gc.collect()
+    assert kv.pages_held == 0
+
+
+def test_a_sequence_shares_a_kept_states_full_pages_and_copies_the_page_it_writes():
+    kv = PagedKV([SHAPE], arena_pages=2)
+    random_pools(kv, 3)
+    pages = kv.allocate(pages_for(70))
+    kept = kv.prefix(pages, 70)
+    kv.release(pages)
+    before = [layer.to_kv_cache() for layer in kept]
+    mx.eval([(c.keys, c.values) for c in before])
+    # 45 tokens: the first page is shared, the second (rows 32-44) copied.
+    taken = kv.take(kept, 45)
+    assert taken[0] == pages[0] and taken[1] not in pages
+    assert kv.refs(pages[0]) == 2 and kv.refs(pages[1]) == 1
+    mine = kv.read(0, taken, 45)
+    assert mx.array_equal(mine[0], before[0].keys[..., :45, :])
+    assert mx.array_equal(mine[1], before[0].values[..., :45, :])
+    # Its writes past the shared tokens leave the kept state as it was.
+    writes = make_layout([Segment(0, 19, 64, tuple(taken))], kv.arena_pages).writes
+    ones = mx.ones((1, 2, 19, 16))
+    kv.write(0, writes, ones, ones)
+    after = kept[0].to_kv_cache()
+    assert mx.array_equal(after.keys, before[0].keys)
+    assert mx.array_equal(kv.read(0, taken, 64)[0][..., 45:, :], ones)
+    # A page-aligned length copies nothing; another store's state is loaded.
+    assert kv.take(kept, 64) == list(pages[:2])
+    other = PagedKV([SHAPE], arena_pages=2)
+    loaded = other.take(kept, 45)
+    assert mx.array_equal(other.read(0, loaded, 45)[0], before[0].keys[..., :45, :])
 
 
 def random_pools(kv: PagedKV, seed: int) -> None:

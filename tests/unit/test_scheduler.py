@@ -60,7 +60,7 @@ class FakeStore:
     def __init__(self):
         self.kept = []
 
-    def fetch(self, prompt):
+    def fetch(self, prompt, pages=False):
         return ["cached"], tuple(prompt[-2:])
 
     def keep(self, cache, tokens, holders=1, later=False):
