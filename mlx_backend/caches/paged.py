@@ -195,7 +195,8 @@ class PagedKV:
     ):
         """Keys and values ``[1, heads, tokens, dims]`` into their rows."""
         for arenas, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            rows = new[0].swapaxes(0, 1)
+            # A view (new[0] would be a gather, a copy).
+            rows = new.squeeze(0).swapaxes(0, 1)
             for w in writes:
                 arenas[w.arena][w.rows] = rows if w.tokens is None else rows[w.tokens]
 

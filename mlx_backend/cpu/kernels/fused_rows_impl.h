@@ -7,6 +7,10 @@
 
 #include "fused_rows.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #ifndef FUSED_ISA
 #error "define FUSED_ISA before including fused_rows_impl.h"
 #endif
@@ -250,6 +254,55 @@ inline void block_all_values(
   }
 }
 
+// kt[d][j] = k_j[d] for a block of keys (kt: [dims][KEYS_BLOCK]); keys from `n`
+// on read as zeros.
+inline void transpose_block(
+    const float* k,
+    int64_t stride,
+    int n,
+    int dims,
+    float* kt) {
+#if defined(__AVX2__)
+  // Eight keys by eight dims at a time, in registers (the scalar loop's
+  // scattered stores cost as much as the scores).
+  if (n == KEYS_BLOCK && dims % 8 == 0) {
+    for (int j0 = 0; j0 < KEYS_BLOCK; j0 += 8) {
+      for (int d0 = 0; d0 < dims; d0 += 8) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; i++) {
+          r[i] = _mm256_loadu_ps(k + (j0 + i) * stride + d0);
+        }
+        for (int i = 0; i < 8; i += 2) {
+          t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+          t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+          for (int h = 0; h < 2; h++) {
+            r[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+            r[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xEE);
+          }
+        }
+        // r[0..3]: dims {0,4}, {1,5}, {2,6}, {3,7} of keys 0-3, r[4..7] of keys 4-7.
+        for (int i = 0; i < 4; i++) {
+          __m256 a = r[i], b = r[4 + i];
+          _mm256_storeu_ps(
+              kt + (d0 + i) * KEYS_BLOCK + j0, _mm256_permute2f128_ps(a, b, 0x20));
+          _mm256_storeu_ps(
+              kt + (d0 + i + 4) * KEYS_BLOCK + j0,
+              _mm256_permute2f128_ps(a, b, 0x31));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < KEYS_BLOCK; j++) {
+    for (int d = 0; d < dims; d++) {
+      kt[d * KEYS_BLOCK + j] = j < n ? k[j * stride + d] : 0.0f;
+    }
+  }
+}
+
 // A row's scores of keys j0 .. j0 + KEYS_BLOCK (its first `seen` visible) turned
 // into exp(score - top) with its running top and total moved on; the factor its
 // earlier sums take.
@@ -307,11 +360,7 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
       k = first.k_arenas[arena] + local * first.k_page_stride + first.k_head;
       v = first.v_arenas[arena] + local * first.v_page_stride + first.v_head;
     }
-    for (int j = 0; j < KEYS_BLOCK; j++) {
-      for (int d = 0; d < dims; d++) {
-        kt[d * KEYS_BLOCK + j] = j < n ? k[j * first.k_stride + d] : 0.0f;
-      }
-    }
+    transpose_block(k, first.k_stride, n, dims, kt);
     // Rows in pairs where both see keys of this block, else alone.
     for (int r = 0; r < count;) {
       int seen = std::min(n, rows[r].keys - j0);
