@@ -284,6 +284,19 @@ class ThreadSafeLRUPromptCache:
                 if key == model_key
             ]
 
+    def drop(self, model_key: Hashable, unwanted: Callable[[list], bool]) -> int:
+        """Drop ``model_key``'s entries whose KV cache is ``unwanted``; how many."""
+        with self._lock:
+            keys = [
+                key
+                for key, entry in self._lru.items()
+                if key[0] == model_key and unwanted(entry.prompt_cache)
+            ]
+            for key in keys:
+                self._trie.pop(*key)
+                self._forget(key, self._lru[key])
+        return len(keys)
+
     def evict_to(self, max_bytes: int) -> int:
         """Drop the least recently used entries until at most ``max_bytes`` are
         kept; the bytes dropped."""

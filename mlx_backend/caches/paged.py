@@ -20,8 +20,8 @@ cache: its ``offset`` carries every token's position (``TokenPositions``) and it
 which ``caches/paged_attention.py`` turns into attention per sequence.
 """
 
-import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,8 +137,13 @@ class PagedKV:
         self.values: list[list[mx.array]] = [[] for _ in self.shapes]
         self._refs: list[int] = []
         self._free: list[int] = []
-        # Prompt-cache entries let their pages go from whichever thread drops them.
-        self._lock = threading.Lock()
+        # Pages that dropped kept states let go, from whichever thread dropped them
+        # (or a garbage collection inside this store's own calls): released on the
+        # engine thread when the store is next used.
+        self._dropped: deque[tuple[int, ...]] = deque()
+        # Set when the decoder that wrote it was reset: its pages may hold a failed
+        # step's writes, so its kept states are not used.
+        self.closed = False
         self._grow()
 
     @property
@@ -152,6 +157,7 @@ class PagedKV:
 
     @property
     def pages_held(self) -> int:
+        self._release_dropped()
         return len(self._refs) - len(self._free)
 
     def nbytes(self) -> int:
@@ -163,32 +169,35 @@ class PagedKV:
 
     def allocate(self, count: int) -> list[int]:
         """``count`` free pages, held once each; arenas are added when short."""
-        with self._lock:
-            while count > len(self._free):
-                self._grow()
-            taken = [self._free.pop() for _ in range(count)]
-            for page in taken:
-                self._refs[page] = 1
+        self._release_dropped()
+        while count > len(self._free):
+            self._grow()
+        taken = [self._free.pop() for _ in range(count)]
+        for page in taken:
+            self._refs[page] = 1
         return taken
 
     def retain(self, pages: Sequence[int]) -> None:
         """One more holder for each of ``pages``."""
-        with self._lock:
-            for page in pages:
-                assert self._refs[page] > 0, "retaining a free page"
-                self._refs[page] += 1
+        for page in pages:
+            assert self._refs[page] > 0, "retaining a free page"
+            self._refs[page] += 1
 
     def release(self, pages: Sequence[int]) -> None:
         """One holder fewer for each of ``pages``; those left with none are free."""
-        with self._lock:
-            for page in pages:
-                assert self._refs[page] > 0, "releasing a free page"
-                self._refs[page] -= 1
-                if self._refs[page] == 0:
-                    self._free.append(page)
+        for page in pages:
+            assert self._refs[page] > 0, "releasing a free page"
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
 
     def refs(self, page: int) -> int:
+        self._release_dropped()
         return self._refs[page]
+
+    def _release_dropped(self) -> None:
+        while self._dropped:
+            self.release(self._dropped.popleft())
 
     def write(
         self, layer: int, writes: Sequence[Write], keys: mx.array, values: mx.array
@@ -224,16 +233,20 @@ class PagedKV:
         if isinstance(first, PagedPrefix) and first.lease.kv is self:
             pages = list(first.lease.pages[: pages_for(length)])
             full = length // PAGE_TOKENS
-            self.retain(pages[:full])
             if full < len(pages):
                 (own,) = self.allocate(1)
                 self._copy_page(pages[full], own)
                 pages[full] = own
+            self.retain(pages[:full])
             return pages
         if isinstance(first, PagedPrefix):
             cache = [layer.to_kv_cache() for layer in cache]
         pages = self.allocate(pages_for(length))
-        self.load(pages, cache, length)
+        try:
+            self.load(pages, cache, length)
+        except Exception:
+            self.release(pages)
+            raise
         return pages
 
     def load(self, pages: Sequence[int], cache: Sequence[KVCache], length: int):
@@ -285,7 +298,7 @@ class PageLease:
     def __init__(self, kv: PagedKV, pages: Sequence[int]):
         self.kv, self.pages = kv, tuple(pages)
         kv.retain(self.pages)
-        weakref.finalize(self, kv.release, self.pages)
+        weakref.finalize(self, kv._dropped.append, self.pages)
 
 
 class PagedPrefix:

@@ -136,14 +136,14 @@ class PagedDecoder(Decoder):
             prompt=list(sequence.rest),
             snapshots=sorted(n for n in set(sequence.snapshots) if n > reused),
         )
+        if row.processors:
+            # Penalties look back over the prompt, cached part included.
+            row.context = TokenBuffer(list(sequence.prompt))
         if reused:
             # On the steps' stream: the writes and copies keep the steps' order.
             with mx.stream(thread_stream()):
                 row.pages = self._kv.take(sequence.kv_cache, reused)
             row.tokens = list(sequence.prompt[:reused])
-        if row.processors:
-            # Penalties look back over the prompt, cached part included.
-            row.context = TokenBuffer(list(sequence.prompt))
         self._rows[key] = row
         return key
 
@@ -187,6 +187,8 @@ class PagedDecoder(Decoder):
         self._snapshots.clear()
         self._queued = None
         self._last_read = None
+        # A failed step's writes may be in its arenas: its kept states go unused.
+        self._kv.closed = True
         self._kv = PagedKV(self._shapes)
 
     # -- a step ----------------------------------------------------------------

@@ -86,6 +86,11 @@ class PromptStore:
         ``pages``: the caller takes a paged decoder's states as they are kept (its
         pages, ``PagedPrefix``); else they come as copies in mlx-lm's caches."""
         kv_cache, rest = self.cache.fetch_for_prompt(self._load_id, prompt)
+        if kv_cache is not None and _in_closed_store(kv_cache):
+            # Kept before the paged decoder was reset (a failed step): drop them all.
+            dropped = self.cache.drop(self._load_id, _in_closed_store)
+            logger.info("dropped %d prompt cache entries of a reset decoder", dropped)
+            kv_cache, rest = None, prompt
         if kv_cache is None:
             kv_cache = self._make_cache()
         elif not pages and isinstance(kv_cache[0], PagedPrefix):
@@ -192,6 +197,11 @@ class PromptStore:
         """The model is unloaded: write what is due, then drop every entry."""
         self.sync()
         self.cache.clear()
+
+
+def _in_closed_store(kv_cache: list) -> bool:
+    first = kv_cache[0] if kv_cache else None
+    return isinstance(first, PagedPrefix) and first.lease.kv.closed
 
 
 def make_prompt_cache(

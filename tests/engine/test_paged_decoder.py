@@ -3,7 +3,8 @@ hand: every family of the matrix either runs on pages, its greedy tokens and
 logprobs as mlx-lm's alone while sequences join, leave and start from a cached
 prefix with chunks that split pages, or is refused with its reason; a long prompt
 beside two decoding sequences is done within a bounded number of steps where the
-batch decoder starves it; pages come back on finish, cancel and error."""
+batch decoder starves it; pages come back on finish, cancel and error; kept states
+of a decoder reset after a failed step are never served."""
 
 import gc
 import math
@@ -15,12 +16,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import load as load_mlx_lm
 
-from mlx_backend.caches.paged import PAGE_TOKENS
+from mlx_backend.caches.paged import PAGE_TOKENS, PagedPrefix
 from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops, route_fast_ops
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.paged import NotPaged, PagedDecoder, paged_layers
 from mlx_backend.decoders.step_budget import PASS_MULTIPLE, StepBudget, StepCosts
+from mlx_backend.engine.prompt_store import PromptCounts, PromptStore, make_prompt_cache
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
@@ -268,3 +270,28 @@ def test_a_prompt_of_many_chunks_alone_as_mlx_lm(llama):
     assert decoder.step() == [] and decoder.step() == []
     tokens, scores, _ = run_until_done(decoder, {key: "alone"})["alone"]
     assert_as_reference(tokens, scores, reference(llama, prompt, 6))
+
+
+def test_kept_states_of_a_reset_decoder_are_dropped_not_served(llama):
+    """After a failed step the decoder starts a new store; the prompt cache's
+    entries that hold the old one's pages (which may hold the failed step's
+    writes) are dropped at the next fetch, which misses."""
+    decoder = PagedDecoder(llama, OPTIONS, paged_layers(llama, OPTIONS), SMALL_STEPS)
+    store = PromptStore(
+        make_prompt_cache(OPTIONS, 1 << 30),
+        1,
+        lambda: make_kv_cache(llama, OPTIONS),
+        PromptCounts(),
+    )
+    prompt, other = prompt_of(40, 12), prompt_of(50, 13)
+    for p in (prompt, other):
+        key = decoder.add(sequence(llama, p, 3))
+        state = run_until_done(decoder, {key: "one"})["one"][2]
+        store.keep(state.cache, state.tokens, later=True)
+    cache, rest = store.fetch(prompt, pages=True)
+    assert len(rest) == 1 and isinstance(cache[0], PagedPrefix)
+    key = decoder.add(sequence(llama, prompt, 3, cache=cache, rest=rest))
+    decoder.reset()
+    cache, rest = store.fetch(prompt, pages=True)
+    assert rest == prompt and not isinstance(cache[0], PagedPrefix)
+    assert len(store.cache) == 0

@@ -227,6 +227,43 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
     assert mx.max(mx.abs(got - expected)).item() < 2e-6
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, sinks):
+    """Decode rows and chunks thousands of keys deep, their tables shuffled across
+    arenas."""
+    install_paged_ops()
+    kv = PagedKV([SHAPE], arena_pages=64)
+    order = kv.allocate(256)
+    random.Random(7).shuffle(order)
+    random_pools(kv, 11)
+    tables, at = [], 0
+    for context in (1100, 1700, 4200, 600):
+        tables.append(tuple(order[at : at + pages_for(context)]))
+        at += pages_for(context)
+    segments = (
+        Segment(0, 1, 1100, tables[0]),
+        Segment(1, 5, 1700, tables[1]),
+        Segment(6, 1, 4200, tables[2]),
+        Segment(7, 40, 600, tables[3]),
+    )
+    layout = kv.layout(segments)
+    heads = 8
+    q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(5))
+    sink = mx.random.normal((heads,), key=mx.random.key(6)) if sinks else None
+    expected = gathered_attention(q, PagedKeys(kv, 0, layout), 0.25, sink)
+    got = qmm.paged_attention(
+        q,
+        kv.keys[0],
+        kv.values[0],
+        layout.segment_array,
+        layout.tables,
+        scale=0.25,
+        arena_pages=kv.arena_pages,
+        sinks=sink,
+    )
+    assert mx.max(mx.abs(got - expected)).item() < 1e-5
+
+
 def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):
     kv = PagedKV([SHAPE], arena_pages=2)
     layout = kv.layout([Segment(0, 1, 40, (0, 1))])
