@@ -55,9 +55,10 @@ def peak_bytes(engine, prompts) -> int:
 
     def measured():
         results = step()
-        held = decoder.kv_nbytes()
-        if not paged:
-            held += served.store.cache.nbytes
+        if paged:
+            held = decoder.pages_nbytes()
+        else:
+            held = decoder.kv_nbytes() + served.store.cache.nbytes
         peak[0] = max(peak[0], held)
         return results
 

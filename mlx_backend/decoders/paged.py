@@ -176,6 +176,13 @@ class PagedDecoder(Decoder):
         return state
 
     def kv_nbytes(self) -> int:
+        # The sequences' own pages: those only kept states hold are the prompt
+        # cache's bytes.
+        pages = {page for row in self._rows.values() for page in row.pages}
+        return len(pages) * self._kv.page_nbytes
+
+    def pages_nbytes(self) -> int:
+        """Bytes of every page held: its sequences' and their kept states'."""
         return self._kv.nbytes()
 
     @property

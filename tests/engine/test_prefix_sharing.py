@@ -87,7 +87,7 @@ def test_a_paged_burst_stores_its_shared_prefix_once(reference, tiny_llama):
 
     def measured():
         results = step()
-        peak[0] = max(peak[0], decoder.kv_nbytes())
+        peak[0] = max(peak[0], decoder.pages_nbytes())
         return results
 
     try:
