@@ -178,7 +178,7 @@ def random_pools(kv: PagedKV, seed: int) -> None:
         for arenas in (kv.keys[layer], kv.values[layer]):
             for i, arena in enumerate(arenas):
                 key, draw = mx.random.split(key)
-                arenas[i] = mx.random.normal(arena.shape, key=draw)
+                arenas[i] = mx.random.normal(arena.shape, key=draw).astype(arena.dtype)
 
 
 # Decode rows, a chunk deep in its context that splits pages, a first chunk, and
@@ -228,11 +228,12 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
 
 
 @pytest.mark.parametrize("sinks", [False, True])
-def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, sinks):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, sinks, dtype):
     """Decode rows and chunks thousands of keys deep, their tables shuffled across
-    arenas."""
+    arenas, in float32 pages and in float16 ones (widened a block at a time)."""
     install_paged_ops()
-    kv = PagedKV([SHAPE], arena_pages=64)
+    kv = PagedKV([LayerShape(2, 16, 16, dtype)], arena_pages=64)
     order = kv.allocate(256)
     random.Random(7).shuffle(order)
     random_pools(kv, 11)

@@ -625,6 +625,7 @@ void CpuAttention::eval_cpu(
       row.value_dims = Dv;
       row.keys = causal ? std::clamp(S - L + l + 1, 0, S) : S;
       row.pages = nullptr;
+      row.half = false;
       row.keep = nullptr;
       row.bias = nullptr;
       row.mask_stride = mask_strides[3];
@@ -663,7 +664,7 @@ void CpuAttention::eval_cpu(
         }
       }
       int count = int(rows.size());
-      scratch.resize(fused::attention_rows_scratch(count, D));
+      scratch.resize(fused::attention_rows_scratch(count, D, Dv));
       kernels.attention_rows(rows.data(), count, scratch.data());
     });
   });
@@ -726,14 +727,21 @@ mx::array paged_attention(
   check_floating(op, out_type);
   auto s = mx::to_stream(s_, mx::Device::cpu);
   // The layout's arrays and the arenas are row-contiguous as the store makes
-  // them (checked when the task runs): no copies, no more nodes.
+  // them (checked when the task runs): no copies, no more nodes. Float16 arenas
+  // are read as they are (widened a block at a time); others become float32.
+  bool half = true;
+  for (auto* arenas : {&keys, &values}) {
+    for (auto& a : *arenas) {
+      half = half && a.dtype() == mx::float16;
+    }
+  }
   std::vector<mx::array> inputs = {
       as(queries, mx::float32, s),
       as(segments, mx::int32, s),
       as(tables, mx::int32, s)};
   for (auto* arenas : {&keys, &values}) {
     for (auto& a : *arenas) {
-      inputs.push_back(as(a, mx::float32, s));
+      inputs.push_back(as(a, half ? mx::float16 : mx::float32, s));
     }
   }
   if (sinks.has_value()) {
@@ -770,10 +778,12 @@ void CpuPagedAttention::eval_cpu(
     auto& first_values = in[3 + arenas];
     int kv_heads = first_keys.shape(1), Dv = first_values.shape(2);
     int repeats = heads / kv_heads;
+    // Float16 arenas' bits, read through float pointers the row kernel widens.
+    bool half = first_keys.dtype() == mx::float16;
     std::vector<const float*> k_arenas(arenas), v_arenas(arenas);
     for (int a = 0; a < arenas; a++) {
-      k_arenas[a] = in[3 + a].data<float>();
-      v_arenas[a] = in[3 + arenas + a].data<float>();
+      k_arenas[a] = static_cast<const float*>(in[3 + a].data<void>());
+      v_arenas[a] = static_cast<const float*>(in[3 + arenas + a].data<void>());
     }
     const int32_t* segments = in[1].data<int32_t>();
     const int32_t* tables = in[2].data<int32_t>();
@@ -825,6 +835,7 @@ void CpuPagedAttention::eval_cpu(
           row.k_stride = token_stride;
           row.v_stride = value_stride;
           row.pages = tables + int64_t(task.segment) * width;
+          row.half = half;
           row.k_arenas = k_arenas.data();
           row.v_arenas = v_arenas.data();
           row.arena_pages = arena_pages;
@@ -846,7 +857,7 @@ void CpuPagedAttention::eval_cpu(
         }
       }
       int rows_count = int(rows.size());
-      scratch.resize(fused::attention_rows_scratch(rows_count, D));
+      scratch.resize(fused::attention_rows_scratch(rows_count, D, Dv));
       kernels.attention_rows(rows.data(), rows_count, scratch.data());
     });
   });

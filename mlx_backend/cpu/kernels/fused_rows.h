@@ -20,6 +20,8 @@ struct AttentionRow {
   const int32_t* pages;
   const float* const* k_arenas;
   const float* const* v_arenas;
+  // The paged keys and values are float16 (their pointers point at its bits).
+  bool half;
   int arena_pages;
   int64_t k_page_stride;
   int64_t v_page_stride;
@@ -41,9 +43,10 @@ struct AttentionRow {
 // Keys per block of the blocked attention kernel.
 constexpr int KEYS_BLOCK = 32;
 
-// Floats of scratch that attention_rows needs for `count` rows of `dims`.
-inline int64_t attention_rows_scratch(int count, int dims) {
-  return int64_t(KEYS_BLOCK) * dims + 2 * int64_t(count);
+// Floats of scratch that attention_rows needs for `count` rows of `dims` (and
+// `value_dims`: a block of float16 values is widened there).
+inline int64_t attention_rows_scratch(int count, int dims, int value_dims) {
+  return int64_t(KEYS_BLOCK) * (dims + value_dims) + 2 * int64_t(count);
 }
 
 struct RowKernels {

@@ -2,6 +2,7 @@
 // it (FUSED_ISA) and builds with that set's flags.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -254,10 +255,50 @@ inline void block_all_values(
   }
 }
 
-// kt[d][j] = k_j[d] for a block of keys (kt: [dims][KEYS_BLOCK]); keys from `n`
-// on read as zeros.
+// A float16's value (IEEE binary16 bits).
+inline float widen(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 31) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {
+    // Subnormal: normalize it.
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      exponent--;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float widen(float x) {
+  return x;
+}
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// kt[d][j] = k_j[d] for a block of keys (kt: [dims][KEYS_BLOCK]), float16 keys
+// widened; keys from `n` on read as zeros.
+template <typename T>
 inline void transpose_block(
-    const float* k,
+    const T* k,
     int64_t stride,
     int n,
     int dims,
@@ -270,7 +311,7 @@ inline void transpose_block(
       for (int d0 = 0; d0 < dims; d0 += 8) {
         __m256 r[8], t[8];
         for (int i = 0; i < 8; i++) {
-          r[i] = _mm256_loadu_ps(k + (j0 + i) * stride + d0);
+          r[i] = load8(k + (j0 + i) * stride + d0);
         }
         for (int i = 0; i < 8; i += 2) {
           t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -298,7 +339,29 @@ inline void transpose_block(
 #endif
   for (int j = 0; j < KEYS_BLOCK; j++) {
     for (int d = 0; d < dims; d++) {
-      kt[d * KEYS_BLOCK + j] = j < n ? k[j * stride + d] : 0.0f;
+      kt[d * KEYS_BLOCK + j] = j < n ? widen(k[j * stride + d]) : 0.0f;
+    }
+  }
+}
+
+// The first `n` float16 values of a block, widened into vb (rows of value_dims).
+inline void widen_block(
+    const uint16_t* v,
+    int64_t stride,
+    int n,
+    int value_dims,
+    float* vb) {
+  for (int j = 0; j < n; j++) {
+    const uint16_t* row = v + j * stride;
+    float* out = vb + int64_t(j) * value_dims;
+    int i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= value_dims; i += 8) {
+      _mm256_storeu_ps(out + i, load8(row + i));
+    }
+#endif
+    for (; i < value_dims; i++) {
+      out[i] = widen(row[i]);
     }
   }
 }
@@ -339,8 +402,11 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   const AttentionRow& first = rows[0];
   int dims = first.dims, value_dims = first.value_dims;
   float* kt = scratch;
-  float* top = kt + int64_t(KEYS_BLOCK) * dims;
+  float* vb = kt + int64_t(KEYS_BLOCK) * dims;
+  float* top = vb + int64_t(KEYS_BLOCK) * value_dims;
   float* total = top + count;
+  // Keys and values are float32, or (paged) float16: element offsets in bytes.
+  int64_t width = first.half ? 2 : 4;
   int keys = 0;
   for (int r = 0; r < count; r++) {
     top[r] = rows[r].has_sink ? rows[r].sink : std::numeric_limits<float>::lowest();
@@ -351,16 +417,52 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   float s[2][KEYS_BLOCK];
   for (int j0 = 0; j0 < keys; j0 += KEYS_BLOCK) {
     int n = std::min(KEYS_BLOCK, keys - j0);
-    const float* k = first.k + j0 * first.k_stride;
-    const float* v = first.v + j0 * first.v_stride;
+    const char* k;
+    const char* v;
     if (first.pages != nullptr) {
       int page = first.pages[j0 / KEYS_BLOCK];
       int arena = page / first.arena_pages;
       int64_t local = page % first.arena_pages;
-      k = first.k_arenas[arena] + local * first.k_page_stride + first.k_head;
-      v = first.v_arenas[arena] + local * first.v_page_stride + first.v_head;
+      k = reinterpret_cast<const char*>(first.k_arenas[arena]) +
+          (local * first.k_page_stride + first.k_head) * width;
+      v = reinterpret_cast<const char*>(first.v_arenas[arena]) +
+          (local * first.v_page_stride + first.v_head) * width;
+    } else {
+      k = reinterpret_cast<const char*>(first.k + j0 * first.k_stride);
+      v = reinterpret_cast<const char*>(first.v + j0 * first.v_stride);
     }
-    transpose_block(k, first.k_stride, n, dims, kt);
+    // The next block's keys and values on their way while this one is scored
+    // (a page's rows of one head are strided: the prefetchers miss them).
+    if (first.pages != nullptr && j0 + KEYS_BLOCK < keys) {
+      int page = first.pages[j0 / KEYS_BLOCK + 1];
+      int arena = page / first.arena_pages;
+      int64_t local = page % first.arena_pages;
+      const char* nk = reinterpret_cast<const char*>(first.k_arenas[arena]) +
+          (local * first.k_page_stride + first.k_head) * width;
+      const char* nv = reinterpret_cast<const char*>(first.v_arenas[arena]) +
+          (local * first.v_page_stride + first.v_head) * width;
+      for (int j = 0; j < KEYS_BLOCK; j++) {
+        for (int64_t b = 0; b < dims * width; b += 64) {
+          __builtin_prefetch(nk + j * first.k_stride * width + b);
+        }
+        for (int64_t b = 0; b < value_dims * width; b += 64) {
+          __builtin_prefetch(nv + j * first.v_stride * width + b);
+        }
+      }
+    }
+    const float* values = reinterpret_cast<const float*>(v);
+    int64_t v_stride = first.v_stride;
+    if (first.half) {
+      transpose_block(
+          reinterpret_cast<const uint16_t*>(k), first.k_stride, n, dims, kt);
+      widen_block(
+          reinterpret_cast<const uint16_t*>(v), first.v_stride, n, value_dims, vb);
+      values = vb;
+      v_stride = value_dims;
+    } else {
+      transpose_block(
+          reinterpret_cast<const float*>(k), first.k_stride, n, dims, kt);
+    }
     // Rows in pairs where both see keys of this block, else alone.
     for (int r = 0; r < count;) {
       int seen = std::min(n, rows[r].keys - j0);
@@ -376,12 +478,12 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
         block_scores<2>(q, kt, dims, s);
         c[0] = online_softmax(rows[r], j0, seen, s[0], top[r], total[r]);
         c[1] = online_softmax(rows[r + 1], j0, seen2, s[1], top[r + 1], total[r + 1]);
-        block_all_values<2>(s, v, first.v_stride, std::max(seen, seen2), c, out, value_dims);
+        block_all_values<2>(s, values, v_stride, std::max(seen, seen2), c, out, value_dims);
         r += 2;
       } else {
         block_scores<1>(q, kt, dims, s);
         c[0] = online_softmax(rows[r], j0, seen, s[0], top[r], total[r]);
-        block_all_values<1>(s, v, first.v_stride, seen, c, out, value_dims);
+        block_all_values<1>(s, values, v_stride, seen, c, out, value_dims);
         r++;
       }
     }
