@@ -34,6 +34,10 @@ class LoadOptions:
     # Decoding over paged KV with one forward pass per step for decode rows and
     # prompt chunks alike (decoders/paged.py); None ("auto"): the device's default.
     paged: bool | None = None
+    # What the paged decoder's pages store keys and values as: "auto" (the
+    # model's KV dtype, as mlx-lm keeps it), "float32" or "float16" (half the
+    # bytes that attention reads at depth; llama.cpp's default KV type).
+    kv_dtype: str = "auto"
     # Continuous batching: sequences decoded together, and prompts prefilled together.
     max_batch_size: int = 32
     prefill_batch_size: int = 8
@@ -191,6 +195,10 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
         raise InvalidArgument(
             f"Options: cpu_pacing must be one of {', '.join(CPU_PACING_MODES)}"
         )
+    if parsed.kv_dtype not in KV_DTYPES:
+        raise InvalidArgument(
+            f"Options: kv_dtype must be one of {', '.join(KV_DTYPES)}"
+        )
     if parsed.kernel_activations not in KERNEL_ACTIVATIONS:
         raise InvalidArgument(
             "Options: kernel_activations must be one of "
@@ -228,6 +236,7 @@ def parse_options(options: list[str] | tuple[str, ...]) -> LoadOptions:
 
 
 KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_DTYPES = ("auto", "float32", "float16")
 KV_GROUP_SIZES = (32, 64, 128)
 # llama.cpp's cache type names, as LocalAI sends them in CacheTypeKey and
 # CacheTypeValue, as MLX (bits, group size); None keeps full precision.

@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> None:
         help="how long part 16's arrival clients send requests on each side",
     )
     parser.add_argument(
+        "--one-pass-options",
+        default="",
+        help="part 16: more LoadModel options for the paged side, comma-separated "
+        "(kv_dtype:float16)",
+    )
+    parser.add_argument(
         "--admission-flood-tokens",
         type=int,
         default=FLOOD_TOKENS,
@@ -379,7 +385,11 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as folder:
             exported = export_mlx_folder(default_model_path(), Path(folder))
             report["one_pass"], part = bench_one_pass(
-                running_process, exported, args.one_pass_runs, args.one_pass_seconds
+                running_process,
+                exported,
+                args.one_pass_runs,
+                args.one_pass_seconds,
+                tuple(o for o in args.one_pass_options.split(",") if o),
             )
         lines += [""] + part
     if 12 in parts:

@@ -126,21 +126,27 @@ def met(run: LongPrompt) -> dict[str, bool]:
 
 
 def bench_one_pass(
-    running_process, folder: Path, runs: int, seconds: float
+    running_process,
+    folder: Path,
+    runs: int,
+    seconds: float,
+    paged_options: tuple[str, ...] = (),
 ) -> tuple[dict, list[str]]:
     """Args:
     running_process: ``bench.running_process``: a fresh backend.
     folder: The default model as an MLX folder (its tokenizer).
     runs: Runs of scenario 1 on each side (0: none).
     seconds: How long scenario 2's clients send requests (0: no scenario 2).
+    paged_options: More LoadModel options for the paged side.
     """
+    sides = dict(SIDES, paged=(*SIDES["paged"], *paged_options))
     tokenizer = load_tokenizer(folder)
     long_text = varied_text(random.Random(SEED), tokenizer, LONG_TOKENS)
     results: dict[str, list[LongPrompt]] = {name: [] for name in SIDES}
     sizing = {}
     with ExitStack() as stack:
         stubs = {}
-        for name, options in SIDES.items():
+        for name, options in sides.items():
             server = stack.enter_context(running_process())
             loaded = server.stub.LoadModel(
                 pb.ModelOptions(
@@ -182,7 +188,7 @@ def bench_one_pass(
             for name, rs in results.items()
         },
     }
-    lines = lines_of(results, sizing) if runs else []
+    lines = lines_of(results, sizing, sides["paged"]) if runs else []
     return report, lines + (arrival_lines(flows, seconds) if flows else [])
 
 
@@ -212,9 +218,11 @@ def arrival_lines(flows: dict, seconds: float) -> list[str]:
     return lines
 
 
-def lines_of(results: dict[str, list[LongPrompt]], sizing: dict) -> list[str]:
+def lines_of(
+    results: dict[str, list[LongPrompt]], sizing: dict, paged: tuple[str, ...]
+) -> list[str]:
     lines = [
-        f"16. one pass over paged KV (paged:true) beside the batch decoder "
+        f"16. one pass over paged KV ({', '.join(paged)}) beside the batch decoder "
         f"(paged:false): a {LONG_TOKENS}-token prompt {BEFORE_S:g} s after 2 streams "
         "began, a one-line request 0.5 s later; the streams decode through the "
         "whole prefill (tokens: 4 s plus twice the prompt's time alone, at a lone "

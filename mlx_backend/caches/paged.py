@@ -40,12 +40,18 @@ MIN_ARENA_PAGES = 8
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One attention layer's KV rows: heads, key and value dims, dtype."""
+    """One attention layer's KV rows: heads, key and value dims, the model's KV
+    dtype, and the dtype its pages store them in (None: the model's)."""
 
     kv_heads: int
     key_dims: int
     value_dims: int
     dtype: mx.Dtype
+    page_dtype: mx.Dtype | None = None
+
+    @property
+    def stored(self) -> mx.Dtype:
+        return self.page_dtype or self.dtype
 
 
 @dataclass(frozen=True)
@@ -272,9 +278,9 @@ class PagedKV:
     def _grow(self) -> None:
         rows = self.arena_pages * PAGE_TOKENS
         for layer, s in enumerate(self.shapes):
-            self.keys[layer].append(mx.zeros((rows, s.kv_heads, s.key_dims), s.dtype))
+            self.keys[layer].append(mx.zeros((rows, s.kv_heads, s.key_dims), s.stored))
             self.values[layer].append(
-                mx.zeros((rows, s.kv_heads, s.value_dims), s.dtype)
+                mx.zeros((rows, s.kv_heads, s.value_dims), s.stored)
             )
         first, more = len(self._refs), self.arena_pages
         self._refs += [0] * more
@@ -284,12 +290,8 @@ class PagedKV:
 
 def layer_page_nbytes(shape: LayerShape) -> int:
     """Bytes of one page of one layer, keys and values."""
-    return (
-        PAGE_TOKENS
-        * shape.kv_heads
-        * (shape.key_dims + shape.value_dims)
-        * shape.dtype.size
-    )
+    dims = shape.key_dims + shape.value_dims
+    return PAGE_TOKENS * shape.kv_heads * dims * shape.stored.size
 
 
 class PageLease:
@@ -337,7 +339,8 @@ class PagedPrefix:
         cache = KVCache()
         pages = self.lease.pages[: pages_for(self.offset)]
         keys, values = self.lease.kv.read(self.layer, pages, self.offset)
-        cache.state = (keys, values, self.offset)
+        dtype = self.lease.kv.shapes[self.layer].dtype
+        cache.state = (keys.astype(dtype), values.astype(dtype), self.offset)
         return cache
 
 

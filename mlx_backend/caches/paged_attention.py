@@ -56,9 +56,16 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
             q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs
         )
     kernels = fast_ops.routed_kernels()
-    # Half-precision arenas would be converted whole, every layer: gathered pages
-    # cost less.
-    if kernels is not None and stream is None and q.dtype == mx.float32:
+    # The kernel reads float32 and float16 arenas as they are; bfloat16 ones would
+    # be converted whole, every layer, and half-precision queries want their
+    # model's own attention: gathered pages cost less.
+    arenas = k.kv.keys[k.layer][0].dtype
+    if (
+        kernels is not None
+        and stream is None
+        and q.dtype == mx.float32
+        and arenas in (mx.float32, mx.float16)
+    ):
         layout = k.layout
         return kernels.paged_attention(
             q,

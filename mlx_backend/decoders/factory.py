@@ -19,6 +19,7 @@ from mlx_backend.decoders.speculative import (
     replay_room,
 )
 from mlx_backend.decoders.step_budget import NO_STEP_BUDGET, StepBudget
+from mlx_backend.errors import InvalidArgument
 from mlx_utils import make_kv_cache, model_signature, unbatchable_reason
 from python_utils import LoadOptions
 
@@ -34,14 +35,21 @@ def make_plain_decoder(
     """The plain decoder for a loaded model: batched when its KV caches can be
     merged, with paced CPU steps when ``pace`` (``make_pacing``) and prefill
     within the step token ``budget``."""
+    why_not = "paged is off (paged:true turns it on)"
     if use_paged(options):
         try:
             shapes = paged_layers(model, options)
         except NotPaged as e:
             logger.info("the paged pass is off: %s", e)
+            why_not = f"the paged pass can't serve this model: {e}"
         else:
             logger.info("one forward pass per step over paged KV")
             return PagedDecoder(model, options, shapes, budget)
+    if options.kv_dtype != "auto":
+        raise InvalidArgument(
+            f"Options: kv_dtype sets the type of the paged decoder's pages, and "
+            f"{why_not}; remove kv_dtype"
+        )
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:

@@ -265,6 +265,11 @@ def _make_decoder(
 ) -> Decoder:
     if lockstep is None:
         return make_decoder(model, options, draft, paced, budget)
+    if options.kv_dtype != "auto":
+        raise InvalidArgument(
+            "Options: kv_dtype sets the type of the paged decoder's pages, which "
+            "does not run over a distributed group yet; remove kv_dtype"
+        )
     if options.paged:
         logger.info("the paged pass is off: it does not run over a group yet")
     decoder = make_plain_decoder(model, replace(options, paged=False), paced, budget)

@@ -255,6 +255,9 @@ def make_prompt_files(
         f"max_kv_size={options.max_kv_size},fuse_lora={options.fuse_lora},"
         f"adapters={[(str(a.path), a.scale) for a in adapters]}"
     )
+    if options.kv_dtype != "auto":
+        # Pages of another type held the state; the files' layout says which.
+        layout += f",kv_dtype={options.kv_dtype}"
 
     def fingerprint() -> str:
         identity = f"{source}; {model_signature(model, config)}"

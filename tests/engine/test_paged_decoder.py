@@ -20,9 +20,11 @@ from mlx_backend.caches.paged import PAGE_TOKENS, PagedPrefix
 from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops, route_fast_ops
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.factory import make_plain_decoder
 from mlx_backend.decoders.paged import NotPaged, PagedDecoder, paged_layers
 from mlx_backend.decoders.step_budget import PASS_MULTIPLE, StepBudget, StepCosts
 from mlx_backend.engine.prompt_store import PromptCounts, PromptStore, make_prompt_cache
+from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
@@ -296,3 +298,34 @@ def test_kept_states_of_a_reset_decoder_are_dropped_not_served(llama):
     cache, rest = store.fetch(prompt, pages=True)
     assert rest == prompt and not isinstance(cache[0], PagedPrefix)
     assert len(store.cache) == 0
+
+
+def test_float16_pages_hold_half_the_bytes_and_decode_as_mlx_lm(llama):
+    """kv_dtype:float16 keeps the pages in float16 (the CPU kernel widens a block
+    at a time): half the bytes, and the greedy tokens of mlx-lm's float32 KV up to
+    a near tie, their logprobs within float16's rounding."""
+    options = parse_options(["prefill_step_size:256", "kv_dtype:float16"])
+    shapes = paged_layers(llama, options)
+    assert {s.stored for s in shapes} == {mx.float16}
+    decoder = PagedDecoder(llama, options, shapes, SMALL_STEPS)
+    wide = PagedDecoder(llama, OPTIONS, paged_layers(llama, OPTIONS), SMALL_STEPS)
+    assert 2 * decoder._kv.page_nbytes == wide._kv.page_nbytes
+    prompts = {"a": prompt_of(45, 21), "b": prompt_of(90, 22)}
+    keys = {decoder.add(sequence(llama, p, 10)): n for n, p in prompts.items()}
+    out = run_until_done(decoder, keys)
+    for name, prompt in prompts.items():
+        tokens, scores, state = out[name]
+        steps = reference(llama, prompt, len(tokens))
+        for i, (token, logprob, margin) in enumerate(steps):
+            if tokens[i] != token:
+                assert margin < 1e-2, f"parted at {i}"
+                break
+            assert scores[i] == pytest.approx(logprob, abs=1e-2)
+        # Kept states come back in the model's dtype.
+        assert state.cache[0].to_kv_cache().keys.dtype == shapes[0].dtype
+
+
+def test_kv_dtype_without_the_paged_pass_is_refused(llama):
+    options = parse_options(["kv_dtype:float16"])
+    with pytest.raises(InvalidArgument, match="kv_dtype.*paged is off"):
+        make_plain_decoder(llama, options)

@@ -68,6 +68,13 @@ def test_parse_options_dequantize_switches():
         parse_options(["dequantize_max_bytes:0"])
 
 
+def test_parse_options_kv_dtype():
+    assert parse_options([]).kv_dtype == "auto"
+    assert parse_options(["kv_dtype:Float16"]).kv_dtype == "float16"
+    with pytest.raises(InvalidArgument, match="kv_dtype must be one of auto"):
+        parse_options(["kv_dtype:bfloat16"])
+
+
 def test_fast_blas_switch_and_discovery(tmp_path):
     assert not switched_off({}, FAST_BLAS_ENV)
     assert not switched_off({FAST_BLAS_ENV: "auto"}, FAST_BLAS_ENV)
