@@ -199,6 +199,23 @@ def isa(qmm, request):
     qmm.set_fused_isa("auto")
 
 
+def kernel_error(qmm, q, kv: PagedKV, layout, sink) -> float:
+    """The kernel's largest difference from attention over gathered pages."""
+    expected = gathered_attention(q, PagedKeys(kv, 0, layout), 0.25, sink)
+    got = qmm.paged_attention(
+        q,
+        kv.keys[0],
+        kv.values[0],
+        layout.segment_array,
+        layout.tables,
+        scale=0.25,
+        arena_pages=kv.arena_pages,
+        sinks=sink,
+    )
+    assert got.shape == expected.shape
+    return mx.max(mx.abs(got - expected)).item()
+
+
 @pytest.mark.parametrize("heads", [2, 8])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
@@ -212,19 +229,7 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
     # Queries as mlx-lm hands them over: a transposed view.
     q = q.swapaxes(1, 2).reshape(1, layout.tokens, heads, 16).swapaxes(1, 2)
     sink = mx.random.normal((heads,), key=mx.random.key(2)) if sinks else None
-    expected = gathered_attention(q, PagedKeys(kv, 0, layout), 0.25, sink)
-    got = qmm.paged_attention(
-        q,
-        kv.keys[0],
-        kv.values[0],
-        layout.segment_array,
-        layout.tables,
-        scale=0.25,
-        arena_pages=kv.arena_pages,
-        sinks=sink,
-    )
-    assert got.shape == expected.shape
-    assert mx.max(mx.abs(got - expected)).item() < 2e-6
+    assert kernel_error(qmm, q, kv, layout, sink) < 2e-6
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -251,18 +256,7 @@ def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, sinks, dtype):
     heads = 8
     q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(5))
     sink = mx.random.normal((heads,), key=mx.random.key(6)) if sinks else None
-    expected = gathered_attention(q, PagedKeys(kv, 0, layout), 0.25, sink)
-    got = qmm.paged_attention(
-        q,
-        kv.keys[0],
-        kv.values[0],
-        layout.segment_array,
-        layout.tables,
-        scale=0.25,
-        arena_pages=kv.arena_pages,
-        sinks=sink,
-    )
-    assert mx.max(mx.abs(got - expected)).item() < 1e-5
+    assert kernel_error(qmm, q, kv, layout, sink) < 1e-5
 
 
 def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "fused_rows.h"
+#include "qmm.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -257,27 +258,7 @@ inline void block_all_values(
 
 // A float16's value (IEEE binary16 bits).
 inline float widen(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 31) {
-    bits = sign | 0x7f800000 | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {
-    // Subnormal: normalize it.
-    exponent = 113;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      exponent--;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return half_to_float(h);
 }
 
 inline float widen(float x) {
