@@ -59,12 +59,11 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
     # The kernel reads float32 and float16 arenas as they are; bfloat16 ones would
     # be converted whole, every layer, and half-precision queries want their
     # model's own attention: gathered pages cost less.
-    arenas = k.kv.keys[k.layer][0].dtype
     if (
         kernels is not None
         and stream is None
         and q.dtype == mx.float32
-        and arenas in (mx.float32, mx.float16)
+        and k.kv.shapes[k.layer].stored in (mx.float32, mx.float16)
     ):
         layout = k.layout
         return kernels.paged_attention(

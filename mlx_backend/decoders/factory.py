@@ -45,17 +45,23 @@ def make_plain_decoder(
         else:
             logger.info("one forward pass per step over paged KV")
             return PagedDecoder(model, options, shapes, budget)
-    if options.kv_dtype != "auto":
-        raise InvalidArgument(
-            f"Options: kv_dtype sets the type of the paged decoder's pages, and "
-            f"{why_not}; remove kv_dtype"
-        )
+    refuse_kv_dtype(options, why_not)
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:
         logger.info("requests run one sequence each: %s", why)
         return SingleDecoder(model, options, trimmable)
     return BatchDecoder(model, options, trimmable, pace, budget)
+
+
+def refuse_kv_dtype(options: LoadOptions, why_not: str) -> None:
+    """``kv_dtype`` types the paged decoder's pages: refused where ``why_not``
+    says the paged decoder won't serve."""
+    if options.kv_dtype != "auto":
+        raise InvalidArgument(
+            f"Options: kv_dtype sets the type of the paged decoder's pages, and "
+            f"{why_not}; remove kv_dtype"
+        )
 
 
 def use_paged(options: LoadOptions) -> bool:

@@ -24,7 +24,11 @@ from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
 from mlx_backend.cpu.kernels import kernel_settings, match_blas_threads
 from mlx_backend.cpu.pacing import make_pacing
 from mlx_backend.decoders.base import Decoder
-from mlx_backend.decoders.factory import make_decoder, make_plain_decoder
+from mlx_backend.decoders.factory import (
+    make_decoder,
+    make_plain_decoder,
+    refuse_kv_dtype,
+)
 from mlx_backend.decoders.measured import measured_once
 from mlx_backend.decoders.step_budget import (
     StepBudget,
@@ -265,11 +269,7 @@ def _make_decoder(
 ) -> Decoder:
     if lockstep is None:
         return make_decoder(model, options, draft, paced, budget)
-    if options.kv_dtype != "auto":
-        raise InvalidArgument(
-            "Options: kv_dtype sets the type of the paged decoder's pages, which "
-            "does not run over a distributed group yet; remove kv_dtype"
-        )
+    refuse_kv_dtype(options, "the paged pass does not run over a group yet")
     if options.paged:
         logger.info("the paged pass is off: it does not run over a group yet")
     decoder = make_plain_decoder(model, replace(options, paged=False), paced, budget)
