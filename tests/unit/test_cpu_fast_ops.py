@@ -137,8 +137,8 @@ ATTENTION_CASES = [
     (1, 4, 4, 3, 60, 64),
     (1, 8, 1, 16, 129, 256),
     (2, 8, 8, 5, 2048, 64),
-    # Prefill chunks: blocks of keys, rows in pairs and alone, value widths not a
-    # multiple of 32 or 8.
+    # Prefill chunks: blocks of keys, rows in pairs, threes and alone, value widths
+    # not a multiple of 32 or 8.
     (1, 9, 3, 77, 300, 64),
     (2, 6, 2, 40, 40, 80),
     (1, 2, 1, 33, 97, 36),

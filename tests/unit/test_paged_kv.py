@@ -216,7 +216,9 @@ def kernel_error(qmm, q, kv: PagedKV, layout, sink) -> float:
     return mx.max(mx.abs(got - expected)).item()
 
 
-@pytest.mark.parametrize("heads", [2, 8])
+# One query head a KV head (a chunk's rows in threes at its end, each seeing its
+# own keys), three (a decode row's three heads together), four (in pairs).
+@pytest.mark.parametrize("heads", [2, 6, 8])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
     install_paged_ops()
@@ -232,9 +234,10 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
     assert kernel_error(qmm, q, kv, layout, sink) < 2e-6
 
 
+@pytest.mark.parametrize("heads", [6, 8])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, sinks, dtype):
+def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, heads, sinks, dtype):
     """Decode rows and chunks thousands of keys deep, their tables shuffled across
     arenas, in float32 pages and in float16 ones (widened a block at a time)."""
     install_paged_ops()
@@ -253,7 +256,6 @@ def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, sinks, dtype):
         Segment(7, 40, 600, tables[3]),
     )
     layout = kv.layout(segments)
-    heads = 8
     q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(5))
     sink = mx.random.normal((heads,), key=mx.random.key(6)) if sinks else None
     assert kernel_error(qmm, q, kv, layout, sink) < 1e-5

@@ -379,6 +379,35 @@ inline float online_softmax(
   return c;
 }
 
+// R rows' scores of a block of keys (kt: transposed; row r sees seen[r] of them),
+// their softmax moved on, and the block's values added to their outputs.
+template <int R>
+inline void attend_block(
+    const AttentionRow* rows,
+    const int* seen,
+    int j0,
+    const float* kt,
+    const float* values,
+    int64_t v_stride,
+    float* top,
+    float* total) {
+  const float* q[R];
+  float* out[R];
+  float c[R];
+  float s[R][KEYS_BLOCK];
+  int most = 0;
+  for (int r = 0; r < R; r++) {
+    q[r] = rows[r].q;
+    out[r] = rows[r].out;
+    most = std::max(most, seen[r]);
+  }
+  block_scores<R>(q, kt, rows[0].dims, s);
+  for (int r = 0; r < R; r++) {
+    c[r] = online_softmax(rows[r], j0, seen[r], s[r], top[r], total[r]);
+  }
+  block_all_values<R>(s, values, v_stride, most, c, out, rows[0].value_dims);
+}
+
 void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   const AttentionRow& first = rows[0];
   int dims = first.dims, value_dims = first.value_dims;
@@ -395,7 +424,6 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
     std::fill(rows[r].out, rows[r].out + value_dims, 0.0f);
     keys = std::max(keys, rows[r].keys);
   }
-  float s[2][KEYS_BLOCK];
   for (int j0 = 0; j0 < keys; j0 += KEYS_BLOCK) {
     int n = std::min(KEYS_BLOCK, keys - j0);
     const char* k;
@@ -444,29 +472,29 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
       transpose_block(
           reinterpret_cast<const float*>(k), first.k_stride, n, dims, kt);
     }
-    // Rows in pairs where both see keys of this block, else alone.
+    // Rows in pairs where both see keys of this block, the last three together
+    // (one row alone keeps half the FMA units idle), else alone.
     for (int r = 0; r < count;) {
-      int seen = std::min(n, rows[r].keys - j0);
-      if (seen <= 0) {
+      int seen[3] = {std::min(n, rows[r].keys - j0), 0, 0};
+      if (seen[0] <= 0) {
         r++;
         continue;
       }
-      int seen2 = r + 1 < count ? std::min(n, rows[r + 1].keys - j0) : 0;
-      const float* q[2] = {rows[r].q, seen2 > 0 ? rows[r + 1].q : nullptr};
-      float* out[2] = {rows[r].out, seen2 > 0 ? rows[r + 1].out : nullptr};
-      float c[2];
-      if (seen2 > 0) {
-        block_scores<2>(q, kt, dims, s);
-        c[0] = online_softmax(rows[r], j0, seen, s[0], top[r], total[r]);
-        c[1] = online_softmax(rows[r + 1], j0, seen2, s[1], top[r + 1], total[r + 1]);
-        block_all_values<2>(s, values, v_stride, std::max(seen, seen2), c, out, value_dims);
-        r += 2;
-      } else {
-        block_scores<1>(q, kt, dims, s);
-        c[0] = online_softmax(rows[r], j0, seen, s[0], top[r], total[r]);
-        block_all_values<1>(s, values, v_stride, seen, c, out, value_dims);
-        r++;
+      int want = count - r == 3 ? 3 : 2, group = 1;
+      for (; group < want && r + group < count; group++) {
+        seen[group] = std::min(n, rows[r + group].keys - j0);
+        if (seen[group] <= 0) {
+          break;
+        }
       }
+      if (group == 3) {
+        attend_block<3>(rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
+      } else if (group == 2) {
+        attend_block<2>(rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
+      } else {
+        attend_block<1>(rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
+      }
+      r += group;
     }
   }
   for (int r = 0; r < count; r++) {
