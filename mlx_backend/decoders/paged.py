@@ -83,13 +83,13 @@ class _Row:
 @dataclass(frozen=True)
 class _Queued:
     """A step queued on the device: the rows that sampled, their tokens and
-    log probabilities (lazy), its work, and the prompt tokens among it."""
+    log probabilities (lazy), and its work: decode rows, and prompt chunks."""
 
     rows: tuple[_Row, ...]
     tokens: mx.array
     logprobs: mx.array
-    work: PassWork
-    prompt_tokens: int
+    decode_work: PassWork
+    chunk_work: PassWork
 
 
 class PagedDecoder(Decoder):
@@ -216,9 +216,10 @@ class PagedDecoder(Decoder):
         prompts = prompts[: max(self._options.max_batch_size - len(decoding), 0)]
         if not decoding and not prompts:
             return None
-        rows = PassWork(len(decoding), sum(r.held + 1 for r in decoding) / KEYS_UNIT)
+        keys = sum(r.held + 1 for r in decoding) / KEYS_UNIT
+        rows = PassWork(len(decoding), keys, keys)
         budget = self.pacer.prompt_tokens(
-            rows, max((r.held for r in prompts), default=0)
+            rows, max((r.held for r in prompts), default=None)
         )
         segments, inputs, chunk = [], [], []
         # The rows that sample this step, and their last token on the axis.
@@ -264,11 +265,16 @@ class PagedDecoder(Decoder):
             mx.async_eval(sampled, logprobs, contexts)
         for row in sampling:
             row.sampled += 1
-        keys = sum(
-            s.tokens * s.context - s.tokens * (s.tokens - 1) / 2 for s in segments
+        chunks = segments[len(decoding) :]
+        keys = sum(s.tokens * s.context - s.tokens * (s.tokens - 1) / 2 for s in chunks)
+        held = sum(s.context for s in chunks)
+        return _Queued(
+            tuple(sampling),
+            sampled,
+            logprobs,
+            rows,
+            PassWork(len(chunk), keys / KEYS_UNIT, held / KEYS_UNIT),
         )
-        work = PassWork(len(decoding) + len(chunk), keys / KEYS_UNIT)
-        return _Queued(tuple(sampling), sampled, logprobs, work, len(chunk))
 
     def _extend(self, row: _Row, start: int, count: int, context: int) -> Segment:
         """Pages for ``row``'s KV to hold ``context`` tokens; its segment of
@@ -333,7 +339,9 @@ class PagedDecoder(Decoder):
         tokens = queued.tokens.tolist()
         now = time.perf_counter()
         if self._last_read is not None:
-            self.pacer.observe(now - self._last_read, queued.work, queued.prompt_tokens)
+            self.pacer.observe(
+                now - self._last_read, queued.decode_work, queued.chunk_work
+            )
         self._last_read = now
         live = [(i, r) for i, r in enumerate(queued.rows) if self._rows.get(r.key) is r]
         wanted = [(i, r) for i, r in live if r.logprobs is not None]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_utils import make_kv_cache
 from python_utils import LoadOptions
@@ -54,12 +55,15 @@ MEASURE_DECODE_STEPS = 4
 @dataclass(frozen=True)
 class StepCosts:
     """One sequence's decode step, a forward pass's fixed cost and a prompt
-    token's, and a chunk's memory peak per token beyond the KV it adds."""
+    token's, a chunk's memory peak per token beyond the KV it adds, and a token's
+    cost in a small chunk beyond a decode step's (0: not measured): small chunks
+    run on other kernels than large ones."""
 
     decode_s: float
     pass_s: float
     token_s: float
     peak_bytes_per_token: int
+    chunk_token_s: float = 0.0
 
 
 def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
@@ -106,7 +110,8 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
         mx.eval(model(prompt[:, -1:], cache=cache), [layer.state for layer in cache])
         steps.append(time.perf_counter() - tic)
     decode_s = sorted(steps[1:])[len(steps[1:]) // 2]
-    return StepCosts(decode_s, pass_s, token_s, peak // large)
+    chunk_token_s = max((quickest[small] - decode_s) / (small - 1), 1e-9)
+    return StepCosts(decode_s, pass_s, token_s, peak // large, chunk_token_s)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ class StepBudget:
             f"{MEAN_MULTIPLE:g} on average ({self.reason}: a decode step "
             f"{self.costs.decode_s * 1e3:.1f} ms, a prefill pass "
             f"{self.costs.pass_s * 1e3:.1f} ms plus "
-            f"{self.costs.token_s * 1e3:.2f} ms a token)"
+            f"{self.costs.token_s * 1e3:.2f} ms a token, "
+            f"{self.costs.chunk_token_s * 1e3:.2f} in a small chunk)"
         )
 
 
@@ -291,23 +297,35 @@ class TokenCost:
 
 
 # A one-pass step that carries prompt tokens beside decode rows takes about this
-# many times what its decode rows alone would: the pass reads the weights once for
+# many times what its decode rows alone take: the pass reads the weights once for
 # both, so prompt tokens cost only their own compute, and a prompt gets two thirds
 # of the machine while sequences decode.
 PASS_MULTIPLE = 3.0
-# Steps the one-pass cost model's attention term is fitted over.
+# A step takes at most this many: steps that carry a deep prompt's chunk spend what
+# steps without one banked.
+PASS_MOST = 3.5
+# Steps with prompt tokens the chunk cost is fitted over.
 COST_WINDOW = 64
 # Key reads per unit of the cost model's attention term.
 KEYS_UNIT = 1000.0
+# The load's measurement counts as this many chunks in the fit of a chunk's cost.
+PRIOR_STEPS = 2
+# A prompt deeper than this, and than twice what the fit has seen, first runs a
+# chunk of one token.
+PROBE_DEPTH = 512
 
 
 @dataclass(frozen=True)
 class PassWork:
-    """What a one-pass step computes: its tokens on the axis, and its attention's
-    key reads (each token's context, summed, in ``KEYS_UNIT``s)."""
+    """What a one-pass step computes, or a part of it (its decode rows, its
+    prompt chunks): tokens on the axis, attention's key reads (each token's
+    context, summed: its compute), and the keys its sequences hold (each
+    sequence's context, summed: the KV it reads from memory, once for all its
+    tokens), both in ``KEYS_UNIT``s."""
 
     tokens: int
     keys: float
+    held: float = 0.0
 
 
 class PassPacer:
@@ -315,58 +333,146 @@ class PassPacer:
 
     The option ``step_token_budget`` sets a step's tokens, decode rows included.
     Otherwise, while sequences decode, a step takes about ``PASS_MULTIPLE`` times
-    what its decode rows alone would. A step's seconds are modelled as a pass's
-    fixed cost and a cost per token (projections and MLPs), as the load measured
-    them, and a cost per key read (attention, which grows with each sequence's
-    depth), fitted to the latest steps by least squares; so deep in a long prompt,
-    or beside deep streams, the chunks shrink to what fits. With nothing
-    decoding, ``step_size`` tokens a step.
+    what its decode rows alone take: the median of the latest steps without
+    prompt tokens (the streams' pace the budget keeps), and before any, or for
+    another number of rows, the load's measurement. The prompt tokens' part of a
+    step is modelled as a cost per token (projections and MLPs) and per key read
+    (attention's compute, which grows with depth), fitted by least squares to the latest
+    steps' time beyond their decode rows', from the load's measurement of a small
+    chunk beside a decode step (large chunks run on other kernels), and a cost
+    per key its sequence holds (attention reads that KV from memory once a step,
+    whatever the chunk). So deep in a long prompt the chunks shrink to what fits;
+    where not one token fits, steps bank their time and a later one spends it, up
+    to ``PASS_MOST`` times the decode rows'. With nothing decoding, ``step_size``
+    tokens a step.
     """
 
     def __init__(self, budget: StepBudget, step_size: int):
         self.budget = budget
         self._step_size = step_size
         costs = budget.costs
-        # The load's measurement: a pass's fixed cost and a token's. A one-token
-        # pass reads every weight, as a decode step does: the fixed cost is at
-        # least that step's less its token (measured apart, it came out near 0).
-        self._token_s = costs.token_s if costs else 0.0
-        self._pass_s = (
-            max(costs.pass_s, costs.decode_s - costs.token_s) if costs else 0.0
-        )
-        # Recent steps' key reads and the seconds they took beyond the rest.
-        self._keys: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
-        self._key_s = 0.0
+        token_s = (costs.chunk_token_s or costs.token_s) if costs else 0.0
+        # A one-token pass reads every weight, as a decode step does.
+        self._pass_s = max(costs.decode_s - token_s, 0.0) if costs else 0.0
+        self._row_s = token_s
+        # Decode steps alone: (rows, seconds).
+        self._decodes: deque[tuple[int, float]] = deque(maxlen=DECODE_WINDOW)
+        self._chunks = ChunkCost(token_s)
+        # Prompt seconds the steps have earned (None: no prompt waits).
+        self._credit: float | None = None
         # The prompt tokens of the last step planned with a budget.
         self.tokens = budget.tokens
 
-    def prompt_tokens(self, rows: PassWork, depth: int) -> int:
+    def alone_s(self, rows: int) -> float:
+        """A step's seconds for ``rows`` decode rows alone."""
+        seen = [s for n, s in self._decodes if n == rows]
+        if len(seen) * 2 > len(self._decodes):
+            return statistics.median(seen)
+        return self._pass_s + self._row_s * rows
+
+    def prompt_tokens(self, rows: PassWork, depth: int | None) -> int:
         """Prompt tokens a step may carry beside decode ``rows`` (none: 0 rows),
-        for prompts ``depth`` tokens deep."""
+        for prompts ``depth`` tokens deep (None: no prompt waits)."""
         budget = self.budget
+        if depth is None:
+            self._credit = None
+            return 0
         if not rows.tokens or not (budget.tokens or budget.timed):
             return self._step_size
         if budget.tokens:
             return max(1, budget.tokens - rows.tokens)
-        fixed, per_token, per_key = self._pass_s, self._token_s, self._key_s
-        alone = fixed + per_token * rows.tokens + per_key * rows.keys
-        room = (PASS_MULTIPLE - 1) * alone
-        # A chunk of n tokens reads about n * (depth + n / 2) keys.
-        n = self._step_size
-        for _ in range(3):
-            cost = per_token + per_key * (depth + n / 2) / KEYS_UNIT
-            n = min(self._step_size, max(1, int(room / max(cost, 1e-9))))
+        alone = self.alone_s(rows.tokens)
+        earned, most = (PASS_MULTIPLE - 1) * alone, (PASS_MOST - 1) * alone
+        credit = min((self._credit or 0.0) + earned, most)
+        fits = self._chunk_fits(credit, depth)
+        if fits < 1 and credit < most * (1 - 1e-9):
+            # A deep prompt's KV is read whatever the chunk: rather than a token
+            # over the room every step, fewer steps carry more.
+            self._credit = credit
+            return 0
+        n = min(self._step_size, max(1, int(fits)))
+        if depth > max(2 * self._chunks.deepest, PROBE_DEPTH):
+            # Far deeper than the fit has seen (a prompt-cache hit): a token's
+            # chunk tells what its KV costs to read.
+            n = 1
+        self._credit = credit - self._chunk_s(n, depth)
         self.tokens = n
         return n
 
-    def observe(self, seconds: float, work: PassWork, prompt_tokens: int) -> None:
-        """A step took ``seconds`` for ``work``, ``prompt_tokens`` of its tokens
-        from prompts."""
-        if not self.budget.timed or work.tokens == prompt_tokens:
+    def _chunk_s(self, n: int, depth: int) -> float:
+        """A chunk's seconds: ``n`` tokens, the last ``depth + n`` deep."""
+        per_token, per_held, per_key = self._chunks.coefficients
+        # It holds depth + n keys, and reads about n * (depth + n / 2).
+        held = per_held * (depth + n) / KEYS_UNIT
+        return held + n * (per_token + per_key * (depth + n / 2) / KEYS_UNIT)
+
+    def _chunk_fits(self, seconds: float, depth: int) -> float:
+        """The tokens (fractional) of a chunk ``depth`` deep that fit in ``seconds``."""
+        per_token, per_held, per_key = self._chunks.coefficients
+        n = float(self._step_size)
+        for _ in range(3):
+            held = per_held * (depth + n) / KEYS_UNIT
+            cost = per_token + per_key * (depth + n / 2) / KEYS_UNIT
+            n = min(self._step_size, max(seconds - held, 0.0) / max(cost, 1e-9))
+        return n
+
+    def observe(self, seconds: float, rows: PassWork, chunk: PassWork) -> None:
+        """A step took ``seconds`` for decode ``rows`` and prompt ``chunk``s."""
+        if not self.budget.timed or not rows.tokens:
             return
-        beyond = seconds - self._pass_s - self._token_s * work.tokens
-        self._keys.append((work.keys, beyond))
-        # Least squares through the origin: the seconds per unit of key reads.
-        reads = sum(k * k for k, _ in self._keys)
-        if reads > 0:
-            self._key_s = max(0.0, sum(k * b for k, b in self._keys) / reads)
+        if not chunk.tokens:
+            self._decodes.append((rows.tokens, seconds))
+            return
+        self._chunks.add(seconds - self.alone_s(rows.tokens), chunk)
+
+
+class ChunkCost:
+    """Prompt chunks' seconds in a step as ``per_token * tokens + per_held *
+    held + per_key * keys`` (a token's projections and MLPs; attention reading a
+    sequence's KV from memory, once a step, and computing over it for each
+    token), fitted by least squares to the latest ``COST_WINDOW`` chunks and to
+    the load's measurement of a small chunk (``PRIOR_STEPS`` chunks' worth), no
+    cost below zero."""
+
+    def __init__(self, token_s: float):
+        self._chunks: deque[tuple[np.ndarray, float]] = deque(maxlen=COST_WINDOW)
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        x = np.array([min(MEASURE_CHUNKS), 0.0, 0.0])
+        self._xx += PRIOR_STEPS * np.outer(x, x)
+        self._xy += PRIOR_STEPS * x * token_s * x[0]
+        # Keys cost nothing until the chunks show otherwise (a weak pull, which
+        # keeps the fit solvable while the keys barely change).
+        self._xx[1, 1] += 1.0
+        self._xx[2, 2] += 1.0
+        self.coefficients = (token_s, 0.0, 0.0)
+
+    @property
+    def deepest(self) -> float:
+        """The most keys a chunk in the fit held (in tokens)."""
+        return max((x[1] for x, _ in self._chunks), default=0.0) * KEYS_UNIT
+
+    def add(self, seconds: float, chunk: PassWork) -> None:
+        if len(self._chunks) == self._chunks.maxlen:
+            x, y = self._chunks[0]
+            self._xx -= np.outer(x, x)
+            self._xy -= x * y
+        x = np.array([chunk.tokens, chunk.held, chunk.keys])
+        self._chunks.append((x, seconds))
+        self._xx += np.outer(x, x)
+        self._xy += x * seconds
+        self.coefficients = nonnegative_solve(self._xx, self._xy)
+
+
+def nonnegative_solve(xx: np.ndarray, xy: np.ndarray) -> tuple[float, ...]:
+    """The least-squares coefficients of normal equations ``xx c = xy`` with
+    none below zero: the most negative one is dropped and the rest solved again."""
+    kept = list(range(len(xy)))
+    while True:
+        c = np.linalg.solve(xx[np.ix_(kept, kept)], xy[kept])
+        if c.min() >= 0 or len(kept) == 1:
+            out = [0.0] * len(xy)
+            for i, value in zip(kept, c):
+                out[i] = max(float(value), 0.0)
+            return tuple(out)
+        del kept[int(np.argmin(c))]
