@@ -67,11 +67,13 @@ class Segment:
 
 @dataclass(frozen=True)
 class Write:
-    """A step's tokens that land in one arena: its index, their rows in it, and
-    where they sit on the step's token axis (None: all of them, in order)."""
+    """A step's tokens that land in one arena: its index, their rows in it (a
+    slice where they are consecutive: one update in place of a scatter's chain of
+    nodes, every layer), and where they sit on the step's token axis (None: all
+    of them, in order)."""
 
     arena: int
-    rows: mx.array
+    rows: mx.array | slice
     tokens: mx.array | None
 
 
@@ -119,7 +121,12 @@ def _writes(slots: np.ndarray, arena_pages: int) -> tuple[Write, ...]:
     arena_rows = arena_pages * PAGE_TOKENS
     arenas = slots // arena_rows
     if (arenas == arenas[0]).all():
-        return (Write(int(arenas[0]), mx.array(slots % arena_rows), None),)
+        rows = slots % arena_rows
+        if (np.diff(rows) == 1).all():
+            return (
+                Write(int(arenas[0]), slice(int(rows[0]), int(rows[-1]) + 1), None),
+            )
+        return (Write(int(arenas[0]), mx.array(rows), None),)
     return tuple(
         Write(
             int(a),

@@ -313,6 +313,8 @@ PRIOR_STEPS = 2
 # A prompt deeper than this, and than twice what the fit has seen, first runs a
 # chunk of one token.
 PROBE_DEPTH = 512
+# A token's cost in the fit is never below this share of the load's measurement.
+LEAST_TOKEN_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -333,18 +335,17 @@ class PassPacer:
 
     The option ``step_token_budget`` sets a step's tokens, decode rows included.
     Otherwise, while sequences decode, a step takes about ``PASS_MULTIPLE`` times
-    what its decode rows alone take: the median of the latest steps without
-    prompt tokens (the streams' pace the budget keeps), and before any, or for
-    another number of rows, the load's measurement. The prompt tokens' part of a
-    step is modelled as a cost per token (projections and MLPs) and per key read
-    (attention's compute, which grows with depth), fitted by least squares to the latest
-    steps' time beyond their decode rows', from the load's measurement of a small
-    chunk beside a decode step (large chunks run on other kernels), and a cost
-    per key its sequence holds (attention reads that KV from memory once a step,
-    whatever the chunk). So deep in a long prompt the chunks shrink to what fits;
-    where not one token fits, steps bank their time and a later one spends it, up
-    to ``PASS_MOST`` times the decode rows'. With nothing decoding, ``step_size``
-    tokens a step.
+    what its decode rows alone take: the median of the latest steps without a
+    chunk (the streams' pace, which the budget keeps), or before any, or for
+    another number of rows, the load's measurement. A chunk's part of a step is
+    modelled as a cost per token (projections and MLPs), per key a token reads
+    (attention's compute) and per key its sequence holds (attention reads that KV
+    from memory once a step, whatever the chunk), fitted by least squares to the
+    latest steps' time beyond their rows', from the load's measurement of a small
+    chunk beside a decode step (large chunks run on other kernels). So deep in a
+    long prompt the chunks shrink to what fits; where not one token fits, steps
+    bank their room and the next spends it, at most ``PASS_MOST`` times the rows'.
+    With nothing decoding, ``step_size`` tokens a step.
     """
 
     def __init__(self, budget: StepBudget, step_size: int):
@@ -446,6 +447,9 @@ class ChunkCost:
         self._xx[1, 1] += 1.0
         self._xx[2, 2] += 1.0
         self.coefficients = (token_s, 0.0, 0.0)
+        # A token never costs less than a share of the load's measurement: a
+        # chunk's size divides by it.
+        self._least_token_s = LEAST_TOKEN_SHARE * token_s
 
     @property
     def deepest(self) -> float:
@@ -461,7 +465,8 @@ class ChunkCost:
         self._chunks.append((x, seconds))
         self._xx += np.outer(x, x)
         self._xy += x * seconds
-        self.coefficients = nonnegative_solve(self._xx, self._xy)
+        per_token, per_held, per_key = nonnegative_solve(self._xx, self._xy)
+        self.coefficients = (max(per_token, self._least_token_s), per_held, per_key)
 
 
 def nonnegative_solve(xx: np.ndarray, xy: np.ndarray) -> tuple[float, ...]:
