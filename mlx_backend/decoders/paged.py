@@ -218,9 +218,7 @@ class PagedDecoder(Decoder):
             return None
         keys = sum(r.held + 1 for r in decoding) / KEYS_UNIT
         rows = PassWork(len(decoding), keys, keys)
-        budget = self.pacer.prompt_tokens(
-            rows, max((r.held for r in prompts), default=None)
-        )
+        sizes = self.pacer.chunks(rows, [(r.held, len(r.prompt)) for r in prompts])
         segments, inputs, chunk = [], [], []
         # The rows that sample this step, and their last token on the axis.
         sampling, ends = list(decoding), list(range(len(decoding)))
@@ -230,11 +228,10 @@ class PagedDecoder(Decoder):
         if decoding:
             picks = mx.array([last[r.key] for r in decoding], dtype=mx.int32)
             inputs.append(queued.tokens[picks].astype(mx.uint32))
-        for row in prompts:
-            if budget <= 0:
+        for row, size in zip(prompts, sizes):
+            if not size:
                 break
-            part = row.prompt[:budget]
-            budget -= len(part)
+            part = row.prompt[:size]
             start = len(decoding) + len(chunk)
             segments.append(self._extend(row, start, len(part), row.held + len(part)))
             chunk += part

@@ -16,6 +16,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -371,34 +372,38 @@ class PassPacer:
             return statistics.median(seen)
         return self._pass_s + self._row_s * rows
 
-    def prompt_tokens(self, rows: PassWork, depth: int | None) -> int:
-        """Prompt tokens a step may carry beside decode ``rows`` (none: 0 rows),
-        for prompts ``depth`` tokens deep (None: no prompt waits)."""
+    def chunks(self, rows: PassWork, prompts: Sequence[tuple[int, int]]) -> list[int]:
+        """The tokens of each waiting prompt, given as (tokens held, tokens left)
+        in the order they take a step, that the step carries beside decode
+        ``rows`` (0 rows: none decode)."""
         budget = self.budget
-        if depth is None:
+        if not prompts:
             self._credit = None
-            return 0
+            return []
         if not rows.tokens or not (budget.tokens or budget.timed):
-            return self._step_size
+            return shared(self._step_size, prompts)
         if budget.tokens:
-            return max(1, budget.tokens - rows.tokens)
+            return shared(max(1, budget.tokens - rows.tokens), prompts)
         alone = self.alone_s(rows.tokens)
         earned, most = (PASS_MULTIPLE - 1) * alone, (PASS_MOST - 1) * alone
         credit = min((self._credit or 0.0) + earned, most)
-        fits = self._chunk_fits(credit, depth)
-        if fits < 1 and credit < most * (1 - 1e-9):
-            # A deep prompt's KV is read whatever the chunk: rather than a token
-            # over the room every step, fewer steps carry more.
-            self._credit = credit
-            return 0
-        n = min(self._step_size, max(1, int(fits)))
-        if depth > max(2 * self._chunks.deepest, PROBE_DEPTH):
-            # Far deeper than the fit has seen (a prompt-cache hit): a token's
-            # chunk tells what its KV costs to read.
-            n = 1
-        self._credit = credit - self._chunk_s(n, depth)
-        self.tokens = n
-        return n
+        out = []
+        for held, left in prompts:
+            fits = min(self._chunk_fits(credit, held), left)
+            if fits < 1 and (out or credit < most * (1 - 1e-9)):
+                # A deep prompt's KV is read whatever the chunk: rather than a
+                # token over the room every step, fewer steps carry more.
+                break
+            n = min(self._step_size, max(1, int(fits)))
+            if held > max(2 * self._chunks.deepest, PROBE_DEPTH):
+                # Far deeper than the fit has seen (a prompt-cache hit): a
+                # token's chunk tells what its KV costs to read.
+                n = 1
+            credit -= self._chunk_s(n, held)
+            out.append(n)
+        self._credit = credit
+        self.tokens = sum(out)
+        return out + [0] * (len(prompts) - len(out))
 
     def _chunk_s(self, n: int, depth: int) -> float:
         """A chunk's seconds: ``n`` tokens, the last ``depth + n`` deep."""
@@ -425,6 +430,15 @@ class PassPacer:
             self._decodes.append((rows.tokens, seconds))
             return
         self._chunks.add(seconds - self.alone_s(rows.tokens), chunk)
+
+
+def shared(tokens: int, prompts: Sequence[tuple[int, int]]) -> list[int]:
+    """``tokens`` shared among ``prompts`` (tokens held, tokens left) in order."""
+    out = []
+    for _, left in prompts:
+        out.append(min(tokens, left))
+        tokens -= out[-1]
+    return out
 
 
 class ChunkCost:

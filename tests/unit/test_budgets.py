@@ -508,7 +508,7 @@ def paced_prefill(
     done, ratios, chunks = start, [], []
     while done < length:
         rows, _ = one_pass(2, rows_depth, 0, 0)
-        n = pacer.prompt_tokens(rows, done)
+        (n,) = pacer.chunks(rows, [(done, length - done)])
         rows, chunk = one_pass(2, rows_depth, n, done + n)
         took = seconds(rows, chunk)
         pacer.observe(took, rows, chunk)
@@ -575,7 +575,27 @@ def test_where_not_one_token_fits_steps_bank_their_time():
 
 def test_a_one_pass_budget_in_tokens_or_none():
     pacer = PassPacer(StepBudget("test", tokens=13), 256)
-    assert pacer.prompt_tokens(PassWork(0, 0.0), 0) == 256
-    assert pacer.prompt_tokens(PassWork(4, 1.0), 900) == 9
-    assert pacer.prompt_tokens(PassWork(20, 1.0), 900) == 1
-    assert PassPacer(NO_STEP_BUDGET, 256).prompt_tokens(PassWork(4, 1.0), 0) == 256
+    assert pacer.chunks(PassWork(0, 0.0), [(0, 1000)]) == [256]
+    assert pacer.chunks(PassWork(4, 1.0), [(900, 1000)]) == [9]
+    assert pacer.chunks(PassWork(4, 1.0), [(900, 5), (10, 100)]) == [5, 4]
+    assert pacer.chunks(PassWork(20, 1.0), [(900, 1000)]) == [1]
+    assert PassPacer(NO_STEP_BUDGET, 256).chunks(PassWork(4, 1.0), [(0, 900)]) == [256]
+    assert pacer.chunks(PassWork(4, 1.0), []) == []
+
+
+def test_each_prompt_in_a_step_pays_for_reading_its_kv():
+    """Once the pacer has learnt what a chunk costs, a shallow prompt and a deep
+    one in the same step are each charged their KV's read: the shallow one takes
+    the 8 tokens it has left, the deep one what then fits, and the step stays
+    within the most it may take."""
+    measured = replace(costs(18, 28.4, 1.92), chunk_token_s=0.0027)
+    seconds = step_cost(15.5, 2.6, 2.8, 3.7)
+    pacer = PassPacer(StepBudget("t", costs=measured), 256)
+    paced_prefill(pacer, seconds, 3000)
+    rows, none = *one_pass(2, 600, 0, 0)[:1], PassWork(0, 0.0)
+    shallow, deep = pacer.chunks(rows, [(100, 8), (3000, 1000)])
+    assert shallow == 8 and 0 < deep < 8
+    took = seconds(rows, none)
+    for held, n in ((100, shallow), (3000, deep)):
+        took += seconds(none, one_pass(0, 0, n, held + n)[1]) - seconds(none, none)
+    assert took < 1.03 * PASS_MOST * seconds(rows, none)
