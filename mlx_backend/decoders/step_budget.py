@@ -312,8 +312,9 @@ KEYS_UNIT = 1000.0
 # The load's measurement counts as this many chunks in the fit of a chunk's cost.
 PRIOR_STEPS = 2
 # A prompt deeper than this, and than twice what the fit has seen, first runs a
-# chunk of one token.
+# chunk of at most PROBE_TOKENS.
 PROBE_DEPTH = 512
+PROBE_TOKENS = 2
 # A token's cost in the fit is never below this share of the load's measurement.
 LEAST_TOKEN_SHARE = 0.25
 
@@ -390,20 +391,30 @@ class PassPacer:
         out = []
         for held, left in prompts:
             fits = min(self._chunk_fits(credit, held), left)
-            if fits < 1 and (out or credit < most * (1 - 1e-9)):
-                # A deep prompt's KV is read whatever the chunk: rather than a
-                # token over the room every step, fewer steps carry more.
-                break
+            if fits < 1:
+                if out or credit < most * (1 - 1e-9):
+                    # A deep prompt's KV is read whatever the chunk: rather than
+                    # a token over the room every step, fewer steps carry more.
+                    break
+                # Even the most a step may take can't pay for reading its KV:
+                # the step overruns by that read, so the rest of its room goes
+                # to tokens beside it, not to one token.
+                fits = min(self._chunk_fits(credit + self._held_s(held), held), left)
             n = min(self._step_size, max(1, int(fits)))
             if held > max(2 * self._chunks.deepest, PROBE_DEPTH):
-                # Far deeper than the fit has seen (a prompt-cache hit): a
-                # token's chunk tells what its KV costs to read.
-                n = 1
+                # Far deeper than the fit has seen (a prompt-cache hit): a small
+                # chunk tells what its KV costs to read (two tokens: for one,
+                # the keys it reads and holds are the same number).
+                n = min(n, PROBE_TOKENS)
             credit -= self._chunk_s(n, held)
             out.append(n)
         self._credit = credit
         self.tokens = sum(out)
         return out + [0] * (len(prompts) - len(out))
+
+    def _held_s(self, depth: int) -> float:
+        """Reading the KV of a sequence ``depth`` tokens deep, as fitted."""
+        return self._chunks.coefficients[1] * depth / KEYS_UNIT
 
     def _chunk_s(self, n: int, depth: int) -> float:
         """A chunk's seconds: ``n`` tokens, the last ``depth + n`` deep."""

@@ -562,15 +562,31 @@ def test_the_pacer_learns_a_token_cost_the_load_did_not_see():
 def test_where_not_one_token_fits_steps_bank_their_time():
     """Deep in a prompt (a cache hit 6,000 tokens deep beside rows 500 deep),
     reading its KV takes more than a step's room: steps without a chunk bank
-    their room and the next spends it, never over the most a step may take (the
-    first, a token's probe of what a chunk that deep costs, included), and never
+    their room and the next spends it, never over the most a step may take once
+    a first chunk of two tokens has told what a chunk that deep costs, and never
     over the multiple on average."""
     measured = replace(costs(18, 28.4, 1.92), chunk_token_s=0.0027)
     pacer = PassPacer(StepBudget("t", costs=measured), 256)
     ratios, chunks = paced_prefill(pacer, step_cost(15, 2.6, 2.8, 10), 6100, 6000)
+    assert chunks[0] == 2
     assert chunks[20:24] in ([0, 1, 0, 1], [1, 0, 1, 0])
-    assert max(ratios) < 1.03 * PASS_MOST
+    assert max(ratios[1:]) < 1.03 * PASS_MOST
     assert statistics.mean(ratios) < PASS_MULTIPLE
+
+
+def test_a_kv_read_beyond_the_most_a_step_may_take_still_buys_its_tokens():
+    """A prompt 100,000 tokens deep whose KV takes 60 ms to read, where the most
+    a step may take leaves 52 ms beside two decode rows: every step that carries
+    a chunk overruns by that read, so it carries the tokens the rest of its room
+    buys, not one token (the prompt's 500 tokens then take some 100 steps, not
+    over 1,000)."""
+    measured = replace(costs(18, 28.4, 1.92), chunk_token_s=0.0027)
+    pacer = PassPacer(StepBudget("t", costs=measured), 256)
+    seconds = step_cost(15, 2.6, 0.01, 0.6)
+    ratios, chunks = paced_prefill(pacer, seconds, 100_500, 100_000)
+    assert len(chunks) < 150
+    alone = seconds(one_pass(2, 520, 0, 0)[0], PassWork(0, 0.0))
+    assert max(ratios) < PASS_MOST + 0.065 / alone
 
 
 def test_a_one_pass_budget_in_tokens_or_none():
