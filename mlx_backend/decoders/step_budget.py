@@ -111,7 +111,8 @@ def measure_step_costs(model: nn.Module, options: LoadOptions) -> StepCosts:
         mx.eval(model(prompt[:, -1:], cache=cache), [layer.state for layer in cache])
         steps.append(time.perf_counter() - tic)
     decode_s = sorted(steps[1:])[len(steps[1:]) // 2]
-    chunk_token_s = max((quickest[small] - decode_s) / (small - 1), 1e-9)
+    # Noise can put a small chunk near a decode step; a chunk's size divides by this.
+    chunk_token_s = max((quickest[small] - decode_s) / (small - 1), token_s / 2)
     return StepCosts(decode_s, pass_s, token_s, peak // large, chunk_token_s)
 
 
@@ -361,8 +362,8 @@ class PassPacer:
         # Decode steps alone: (rows, seconds).
         self._decodes: deque[tuple[int, float]] = deque(maxlen=DECODE_WINDOW)
         self._chunks = ChunkCost(token_s)
-        # Prompt seconds the steps have earned (None: no prompt waits).
-        self._credit: float | None = None
+        # Prompt seconds the steps have earned while prompts wait.
+        self._credit = 0.0
         # The prompt tokens of the last step planned with a budget.
         self.tokens = budget.tokens
 
@@ -379,7 +380,7 @@ class PassPacer:
         ``rows`` (0 rows: none decode)."""
         budget = self.budget
         if not prompts:
-            self._credit = None
+            self._credit = 0.0
             return []
         if not rows.tokens or not (budget.tokens or budget.timed):
             return shared(self._step_size, prompts)
@@ -387,7 +388,7 @@ class PassPacer:
             return shared(max(1, budget.tokens - rows.tokens), prompts)
         alone = self.alone_s(rows.tokens)
         earned, most = (PASS_MULTIPLE - 1) * alone, (PASS_MOST - 1) * alone
-        credit = min((self._credit or 0.0) + earned, most)
+        credit = min(self._credit + earned, most)
         out = []
         for held, left in prompts:
             fits = min(self._chunk_fits(credit, held), left)
