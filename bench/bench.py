@@ -240,6 +240,12 @@ def main(argv: list[str] | None = None) -> None:
         "(kv_dtype:float16)",
     )
     parser.add_argument(
+        "--speculative-options",
+        default="",
+        help="part 6: more LoadModel options for both servers, comma-separated "
+        "(paged:true)",
+    )
+    parser.add_argument(
         "--admission-flood-tokens",
         type=int,
         default=FLOOD_TOKENS,
@@ -335,8 +341,11 @@ def main(argv: list[str] | None = None) -> None:
             lines += [""] + part
         if 6 in parts:
             # Two fresh servers, so neither carries the earlier parts' state.
-            speculating = stack.enter_context(running_server())
-            plain = stack.enter_context(running_server(options=("speculative:off",)))
+            more = tuple(o for o in args.speculative_options.split(",") if o)
+            speculating = stack.enter_context(running_server(options=more))
+            plain = stack.enter_context(
+                running_server(options=("speculative:off", *more))
+            )
             report["speculative"], part = bench_speculative(
                 speculating, plain, str(exported), folder, args.speculative_rounds
             )

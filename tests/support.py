@@ -31,6 +31,7 @@ import backend_pb2 as pb
 import backend_pb2_grpc
 from backend import BackendServicer
 from mlx_backend.cpu.blas import blas_choice_environment, fast_blas_in_use
+from mlx_backend.decoders.proposers import NgramProposer
 from mlx_backend.gpu import on_cuda
 from mlx_backend.models.loading import ModelInfo, default_model_path
 from mlx_backend.request_parsing import GenerationRequest
@@ -213,6 +214,13 @@ def chat(text=QUESTION, **fields):
         Messages=[pb.Message(role="user", content=text)],
         **fields,
     )
+
+
+class EagerLookup(NgramProposer):
+    """Prompt lookup verified from the first decoded token on, as a draft model's
+    proposals are, rather than after its guesses have held."""
+
+    cheap = False
 
 
 def device_tolerance(cpu: float, magnitude: float = 1.0) -> float:

@@ -66,7 +66,7 @@ def refuse_kv_dtype(options: LoadOptions, why_not: str) -> None:
 
 def use_paged(options: LoadOptions) -> bool:
     """Whether the options ask for the paged pass: ``paged``, where "auto" is
-    off until the paged decoder shares prefixes and speculates."""
+    off until quantized KV, windows and the memory budget run on pages."""
     return bool(options.paged)
 
 
@@ -78,15 +78,14 @@ def make_decoder(
     budget: StepBudget = NO_STEP_BUDGET,
 ) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
-    can be merged, with paced CPU steps when ``pace``), speculating for a lone
-    sequence with ``draft`` or n-gram prompt lookup, unless that is off (or the
-    KV caches can't go back and the sequences run one each)."""
+    can be merged, with paced CPU steps when ``pace``), speculating with
+    ``draft`` or n-gram prompt lookup (the paged decoder for each row, any other
+    for a lone sequence), unless that is off (or the KV caches can't go back and
+    the sequences run one each)."""
     inner = make_plain_decoder(model, options, pace, budget)
     kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
     why = None
-    if isinstance(inner, PagedDecoder):
-        why = "the paged decoder does not speculate yet"
-    elif options.speculative == "off" or options.num_draft_tokens == 0:
+    if options.speculative == "off" or options.num_draft_tokens == 0:
         why = "turned off by the options"
     elif "other" in kinds:
         why = "the KV cache has layers it can neither trim nor hold"
@@ -133,6 +132,9 @@ def make_decoder(
         max_draft,
         per_proposal,
     )
+    if isinstance(inner, PagedDecoder):
+        inner.speculate(make_proposer, costs, per_proposal)
+        return inner
     return SpeculativeDecoder(
         inner,
         model,

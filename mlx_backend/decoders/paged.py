@@ -12,6 +12,14 @@ its pages, held, not copied; a sequence that starts from such a state shares the
 
 Steps overlap the host: a step is queued (``mx.async_eval``) from the previous
 step's sampled tokens, still lazy, before the host reads those.
+
+With speculation on (``speculate``), a decoding row may carry proposed tokens
+after its last one, and the pass samples every position of its segment; the
+proposals are kept up to the first the model disagrees with, and the rest of
+its KV is written over by the next pass. What a step proposes is planned from
+the tokens themselves, so a step that verifies reads the previous one first,
+and so does the step after it: each row's acceptance estimate says whether
+giving up that overlap pays (``plan_drafts``).
 """
 
 import copy
@@ -40,6 +48,12 @@ from mlx_backend.decoders.base import (
     StepResult,
     thread_stream,
 )
+from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
+from mlx_backend.decoders.speculative import (
+    FIRST_BACKOFF_TOKENS,
+    DraftRow,
+    plan_drafts,
+)
 from mlx_backend.decoders.step_budget import (
     KEYS_UNIT,
     NO_STEP_BUDGET,
@@ -48,6 +62,7 @@ from mlx_backend.decoders.step_budget import (
     StepBudget,
 )
 from mlx_backend.models.loading import hidden_state_model, output_head
+from mlx_backend.sampling import SeededSampler
 from mlx_utils import gather_logprobs, make_kv_cache
 from python_utils import LoadOptions
 
@@ -74,6 +89,12 @@ class _Row:
     context: TokenBuffer | None = None
     # Prompt lengths whose KV state is handed back once a pass holds them.
     snapshots: list[int] = field(default_factory=list)
+    # Speculation: its proposer and estimate, the proposals a step may verify,
+    # the tokens penalties look back over, and proposals a queued pass verifies.
+    draft: DraftRow | None = None
+    draft_tokens: int = 0
+    history: int = 0
+    unverified: int = 0
 
     @property
     def held(self) -> int:
@@ -82,14 +103,28 @@ class _Row:
 
 @dataclass(frozen=True)
 class _Queued:
-    """A step queued on the device: the rows that sampled, their tokens and
-    log probabilities (lazy), and its work: decode rows, and prompt chunks."""
+    """A step queued on the device: the rows that sampled, the proposals each
+    verifies, their tokens and log probabilities (lazy: a row's positions in
+    turn), and its work: decode rows, and prompt chunks."""
 
     rows: tuple[_Row, ...]
+    drafts: tuple[tuple[int, ...], ...]
     tokens: mx.array
     logprobs: mx.array
     decode_work: PassWork
     chunk_work: PassWork
+
+    @property
+    def verifies(self) -> bool:
+        return any(self.drafts)
+
+    def starts(self) -> list[int]:
+        """Each row's first position among the sampled tokens."""
+        starts, at = [], 0
+        for draft in self.drafts:
+            starts.append(at)
+            at += 1 + len(draft)
+        return starts
 
 
 class PagedDecoder(Decoder):
@@ -119,6 +154,24 @@ class PagedDecoder(Decoder):
         self._last_read: float | None = None
         # Snapshots taken while planning a step, to report with its results.
         self._snapshots: dict[int, list[KVState]] = {}
+        # Speculation (``speculate``): each row's proposer, and what a pass
+        # over n tokens and a proposal cost, in single-token passes.
+        self._make_proposer: Callable[[], NgramProposer | DraftProposer] | None = None
+        self.costs: tuple[float, ...] = ()
+        self.per_proposal = 0.0
+
+    def speculate(
+        self,
+        make_proposer: Callable[[], NgramProposer | DraftProposer],
+        costs: tuple[float, ...],
+        per_proposal: float = 0.0,
+    ) -> None:
+        """Let decoding rows verify proposals: ``make_proposer`` makes each
+        sequence's proposer; ``costs`` and ``per_proposal`` are what
+        ``measure_verify_costs`` measured."""
+        self._make_proposer = make_proposer
+        self.costs, self.per_proposal = costs, per_proposal
+        self.speculates = True
 
     # -- the contract --------------------------------------------------------
 
@@ -139,6 +192,9 @@ class PagedDecoder(Decoder):
         if row.processors:
             # Penalties look back over the prompt, cached part included.
             row.context = TokenBuffer(list(sequence.prompt))
+        if self._make_proposer is not None and sequence.draft_tokens > 0:
+            row.draft = DraftRow(self._make_proposer())
+            row.draft_tokens, row.history = sequence.draft_tokens, sequence.history
         if reused:
             # On the steps' stream: the writes and copies keep the steps' order.
             with mx.stream(thread_stream()):
@@ -149,8 +205,14 @@ class PagedDecoder(Decoder):
 
     def step(self) -> list[StepResult]:
         try:
-            queued = self._queue_step()
-            results = self._read(self._queued)
+            if self._queued is not None and (
+                self._queued.verifies or self._drafts_pay()
+            ):
+                results = self._read(self._queued)
+                queued = self._queue_step(read=True)
+            else:
+                queued = self._queue_step()
+                results = self._read(self._queued)
         except Exception as e:
             logger.exception("paged generation failed")
             error = e.with_traceback(None)
@@ -170,8 +232,10 @@ class PagedDecoder(Decoder):
             return None
         self._snapshots.pop(key, None)
         state = None
-        if keep_state and row.held:
-            state = KVState(self._kv.prefix(row.pages, row.held), list(row.tokens))
+        # A queued pass's proposals are not the sequence's (yet).
+        held = row.held - row.unverified
+        if keep_state and held:
+            state = KVState(self._kv.prefix(row.pages, held), row.tokens[:held])
         self._kv.release(row.pages)
         return state
 
@@ -200,10 +264,14 @@ class PagedDecoder(Decoder):
 
     # -- a step ----------------------------------------------------------------
 
-    def _queue_step(self) -> _Queued | None:
-        """Plan, build and queue this step's pass; None when no row samples."""
+    def _queue_step(self, read: bool = False) -> _Queued | None:
+        """Plan, build and queue this step's pass; None when no row samples.
+        ``read``: the previous step's tokens are read, so decoding rows feed
+        them from the host and may verify proposals after them."""
         queued = self._queued
-        last = {} if queued is None else {r.key: i for i, r in enumerate(queued.rows)}
+        last = {}
+        if queued is not None:
+            last = {r.key: s for r, s in zip(queued.rows, queued.starts())}
         decoding = [
             r
             for r in self._rows.values()
@@ -216,23 +284,38 @@ class PagedDecoder(Decoder):
         prompts = prompts[: max(self._options.max_batch_size - len(decoding), 0)]
         if not decoding and not prompts:
             return None
-        keys = sum(r.held + 1 for r in decoding) / KEYS_UNIT
-        rows = PassWork(len(decoding), keys, keys)
-        sizes = self.pacer.chunks(rows, [(r.held, len(r.prompt)) for r in prompts])
-        segments, inputs, chunk = [], [], []
-        # The rows that sample this step, and their last token on the axis.
-        sampling, ends = list(decoding), list(range(len(decoding)))
-        for i, row in enumerate(decoding):
-            # Its input is the token the last step sampled, not yet read.
-            segments.append(self._extend(row, i, 1, row.held + 1))
-        if decoding:
+        drafts = self._drafts(decoding) if read else [()] * len(decoding)
+        segments, inputs, chunk, ends = [], [], [], []
+        for row, draft in zip(decoding, drafts):
+            # Its input is the token the last step sampled (still lazy unless
+            # ``read``), then its proposals.
+            start = len(ends)
+            context = row.held + len(draft) + (not read)
+            segments.append(self._extend(row, start, 1 + len(draft), context))
+            ends += range(start, start + 1 + len(draft))
+            row.tokens += draft
+            row.unverified = len(draft)
+            row.sampled += 1 + len(draft)
+        if read and decoding:
+            ids = [
+                t
+                for row, draft in zip(decoding, drafts)
+                for t in (row.tokens[-len(draft) - 1], *draft)
+            ]
+            inputs.append(mx.array(ids, dtype=mx.uint32))
+        elif decoding:
             picks = mx.array([last[r.key] for r in decoding], dtype=mx.int32)
             inputs.append(queued.tokens[picks].astype(mx.uint32))
+        rows = self._work(segments)
+        sizes = self.pacer.chunks(rows, [(r.held, len(r.prompt)) for r in prompts])
+        # The rows that sample this step: decoding ones, then prompts' last chunks.
+        sampling = list(decoding)
+        decoded = rows.tokens
         for row, size in zip(prompts, sizes):
             if not size:
                 break
             part = row.prompt[:size]
-            start = len(decoding) + len(chunk)
+            start = decoded + len(chunk)
             segments.append(self._extend(row, start, len(part), row.held + len(part)))
             chunk += part
             row.tokens += part
@@ -243,11 +326,15 @@ class PagedDecoder(Decoder):
                 self._snapshots.setdefault(row.key, []).append(state)
             if not row.prompt:
                 sampling.append(row)
+                drafts.append(())
                 ends.append(start + len(part) - 1)
+                row.sampled += 1
         if chunk:
             inputs.append(mx.array(chunk, dtype=mx.uint32))
         tokens = inputs[0] if len(inputs) == 1 else mx.concatenate(inputs)
         layout = self._kv.layout(segments)
+        # Another load in this process may have routed ``mx.fast`` since.
+        install_paged_ops()
         with mx.stream(thread_stream()):
             views = [PagedLayer(self._kv, i, layout) for i in range(len(self._shapes))]
             if not sampling:
@@ -256,21 +343,84 @@ class PagedDecoder(Decoder):
                 mx.async_eval(self._kv.keys, self._kv.values)
                 return None
             logits = self._forward(tokens, views, mx.array(ends, dtype=mx.int32))
+            starts = [s.start for s in segments[: len(decoding)]]
             sampled, logprobs, contexts = self._sample(
-                logits, sampling, tokens, len(decoding)
+                logits, sampling, drafts, tokens, starts
             )
             mx.async_eval(sampled, logprobs, contexts)
-        for row in sampling:
-            row.sampled += 1
-        chunks = segments[len(decoding) :]
-        keys = sum(s.tokens * s.context - s.tokens * (s.tokens - 1) / 2 for s in chunks)
-        held = sum(s.context for s in chunks)
         return _Queued(
             tuple(sampling),
+            tuple(tuple(d) for d in drafts),
             sampled,
             logprobs,
             rows,
-            PassWork(len(chunk), keys / KEYS_UNIT, held / KEYS_UNIT),
+            self._work(segments[len(decoding) :]),
+        )
+
+    def _drafts(self, decoding: list[_Row]) -> list[list[int]]:
+        """The proposals each decoding row verifies this step (most empty)."""
+        available, proposals = [], {}
+        for i, row in enumerate(decoding):
+            limit = self._draft_limit(row)
+            if limit and row.draft.proposer.cheap:
+                proposals[i] = row.draft.proposer.propose(row.tokens, limit)
+                limit = len(proposals[i])
+            available.append(limit)
+        if not any(available):
+            return [[] for _ in decoding]
+        rates = [r.draft.acceptance if r.draft else 0.0 for r in decoding]
+        plan = plan_drafts(rates, available, self.costs, self.per_proposal)
+        drafts = []
+        for i, (row, k) in enumerate(zip(decoding, plan)):
+            if k and i not in proposals:
+                proposals[i] = row.draft.proposer.propose(row.tokens, k)
+            drafts.append(proposals[i][:k] if k else [])
+            if k:
+                # Its verification scores these proposals, not the last guess.
+                row.draft.guess = None
+        return drafts
+
+    def _draft_limit(self, row: _Row) -> int:
+        """The proposals ``row`` may verify in its next pass: none while it
+        backs off, and none past its token limit."""
+        if row.draft is None or row.returned < row.draft.backoff_until:
+            return 0
+        return max(min(row.draft_tokens, row.max_tokens - row.returned - 1), 0)
+
+    def _drafts_pay(self) -> bool:
+        """Whether the next step should read the queued one first to verify
+        proposals: a cheap proposer has a guess for the token it samples, and the
+        estimates say verifying pays for the overlap lost."""
+        if self._make_proposer is None:
+            return False
+        rows = [
+            r
+            for r in self._queued.rows
+            if self._rows.get(r.key) is r and r.sampled < r.max_tokens
+        ]
+        available = [
+            (
+                self._draft_limit(r)
+                if r.draft is not None
+                and (r.draft.guess is not None or not r.draft.proposer.cheap)
+                else 0
+            )
+            for r in rows
+        ]
+        if not any(available):
+            return False
+        rates = [r.draft.acceptance if r.draft else 0.0 for r in rows]
+        return any(plan_drafts(rates, available, self.costs, self.per_proposal))
+
+    @staticmethod
+    def _work(segments: list[Segment]) -> PassWork:
+        """The work of ``segments``: tokens, keys they read and keys held."""
+        keys = sum(
+            s.tokens * s.context - s.tokens * (s.tokens - 1) / 2 for s in segments
+        )
+        held = sum(s.context for s in segments)
+        return PassWork(
+            sum(s.tokens for s in segments), keys / KEYS_UNIT, held / KEYS_UNIT
         )
 
     def _extend(self, row: _Row, start: int, count: int, context: int) -> Segment:
@@ -289,27 +439,41 @@ class PagedDecoder(Decoder):
             return self._head(hidden[:, ends])[0]
         return self._model(tokens[None], cache=views)[0, ends]
 
-    def _sample(self, logits, rows, tokens, decoding):
-        """Each row's processors and sampler over its logits: the sampled tokens,
-        log probabilities, and the processors' contexts (to evaluate)."""
-        contexts = []
+    def _sample(self, logits, rows, drafts, tokens, starts):
+        """Each row's processors and sampler over its logits (a decoding row's:
+        at its input and at each proposal; ``starts``: the decoding rows' inputs
+        on the step's axis): the sampled tokens, log probabilities, and the
+        processors' contexts (to evaluate)."""
+        contexts, spans, at = [], [], 0
+        for draft in drafts:
+            spans.append((at, 1 + len(draft)))
+            at += 1 + len(draft)
         if any(r.processors for r in rows):
             processed = []
-            for i, row in enumerate(rows):
-                row_logits = logits[i : i + 1]
-                if row.processors:
-                    if i < decoding:
-                        context = row.context.update_and_fetch(tokens[i : i + 1])
-                        contexts.append(context)
-                    else:
-                        context = row.context.tokens
+            for i, (row, draft, (first, count)) in enumerate(zip(rows, drafts, spans)):
+                if not row.processors:
+                    processed.append(logits[first : first + count])
+                    continue
+                if i < len(starts):
+                    fed = tokens[starts[i] : starts[i] + 1]
+                    context = row.context.update_and_fetch(fed)
+                    contexts.append(context)
+                else:
+                    context = row.context.tokens
+                for n in range(count):
+                    # A proposal's position sees the proposals before it.
+                    seen = context
+                    if n:
+                        tail = mx.array(draft[:n], dtype=context.dtype)
+                        seen = mx.concatenate([context[-row.history :], tail])
+                    position = logits[first + n : first + n + 1]
                     for processor in row.processors:
-                        row_logits = processor(context, row_logits)
-                processed.append(row_logits)
+                        position = processor(seen, position)
+                    processed.append(position)
             logits = mx.concatenate(processed, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = mx.concatenate(
-            [row.sampler(logprobs[i : i + 1]) for i, row in enumerate(rows)]
+            [row.sampler(logprobs[f : f + n]) for row, (f, n) in zip(rows, spans)]
         )
         return sampled, logprobs, contexts
 
@@ -340,33 +504,94 @@ class PagedDecoder(Decoder):
                 now - self._last_read, queued.decode_work, queued.chunk_work
             )
         self._last_read = now
-        live = [(i, r) for i, r in enumerate(queued.rows) if self._rows.get(r.key) is r]
-        wanted = [(i, r) for i, r in live if r.logprobs is not None]
+        made = {}
+        for row, draft, start in zip(queued.rows, queued.drafts, queued.starts()):
+            if self._rows.get(row.key) is not row:
+                continue
+            out = tokens[start : start + 1 + len(draft)]
+            kept = next(
+                (i for i, (t, d) in enumerate(zip(out, draft)) if t != d), len(draft)
+            )
+            made[row.key] = (range(start, start + kept + 1), out[: kept + 1])
+            if draft:
+                self._verified(row, draft, kept)
+        wanted = [r for r in queued.rows if r.key in made and r.logprobs is not None]
         scored = {}
         if wanted:
-            top = max(r.logprobs for _, r in wanted)
-            values = gather_logprobs(
-                [queued.logprobs[i] for i, _ in wanted],
-                [tokens[i] for i, _ in wanted],
-                top,
+            top = max(r.logprobs for r in wanted)
+            positions = [p for r in wanted for p in made[r.key][0]]
+            values = iter(
+                gather_logprobs(
+                    [queued.logprobs[p] for p in positions],
+                    [t for r in wanted for t in made[r.key][1]],
+                    top,
+                )
             )
-            scored = {
-                r.key: (value, best[: r.logprobs])
-                for (_, r), (value, best) in zip(wanted, values)
-            }
-        if live:
+            for row in wanted:
+                scored[row.key] = [
+                    (value, best[: row.logprobs])
+                    # The row's tokens first: zip stops there, taking no more.
+                    for _, (value, best) in zip(made[row.key][1], values)
+                ]
+        if made:
             self.batch_steps += 1
-            self.batch_tokens += len(live)
-        for i, row in live:
-            row.returned += 1
+            self.batch_tokens += sum(len(m[1]) for m in made.values())
+        for row, draft in zip(queued.rows, queued.drafts):
+            if row.key not in made:
+                continue
+            new = made[row.key][1]
+            row.returned += len(new)
             done = row.returned >= row.max_tokens
             results.append(
-                StepResult(row.key, (tokens[i],), (scored.get(row.key),), done=done)
+                StepResult(
+                    row.key,
+                    tuple(new),
+                    tuple(scored.get(row.key, [None] * len(new))),
+                    done=done,
+                    proposed=len(draft),
+                    accepted=len(new) - 1,
+                )
             )
-            if not done:
-                # The next pass feeds it, and its KV holds it then.
-                row.tokens.append(tokens[i])
+            if done:
+                continue
+            # The next pass feeds it, and its KV holds it then.
+            row.tokens.append(new[-1])
+            if row.draft is not None and row.draft.proposer.cheap and not draft:
+                row.draft.check_guess(row.tokens, tuple(new))
         return results
+
+    def _verified(self, row: _Row, draft: tuple[int, ...], kept: int) -> None:
+        """``row``'s pass kept ``kept`` of its ``draft``: the rest leave its
+        tokens (their KV is written over), its sampler draws the next position
+        again, and the estimate learns."""
+        del row.tokens[len(row.tokens) - len(draft) + kept :]
+        row.unverified = 0
+        row.sampled = row.returned + kept + 1
+        if row.context is not None and kept:
+            row.context.update_and_fetch(mx.array(draft[:kept], dtype=mx.int32))
+        if isinstance(row.sampler, SeededSampler):
+            row.sampler.position = row.sampled
+        proposer = row.draft.proposer
+        proposer.rewind(kept, len(draft))
+        row.draft.observe(len(draft), kept)
+        self.draft_proposed += len(draft)
+        self.draft_accepted += kept
+        if kept:
+            row.draft.backoff = FIRST_BACKOFF_TOKENS
+        elif (
+            not proposer.cheap
+            and self._draft_limit(row)
+            and not any(
+                plan_drafts(
+                    [row.draft.acceptance],
+                    [self._draft_limit(row)],
+                    self.costs,
+                    self.per_proposal,
+                )
+            )
+        ):
+            # Nothing checks a costly proposer's guesses between verifications.
+            row.draft.back_off(row.sampled)
 
 
 # A probe's prompt: a chunk that splits, then a decode token.

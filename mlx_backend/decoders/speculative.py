@@ -186,37 +186,67 @@ def best_draft_length(
     return best
 
 
-@dataclass(eq=False)
-class _SpeculativeRow:
-    """A sequence the speculative decoder holds, in the inner decoder or alone."""
+def pass_cost(costs: tuple[float, ...], tokens: int) -> float:
+    """A pass over ``tokens`` tokens in single-token passes: measured up to the
+    table's length, straight on from its last two entries beyond."""
+    if tokens <= len(costs):
+        return costs[tokens - 1]
+    return costs[-1] + (costs[-1] - costs[-2]) * (tokens - len(costs))
 
-    sequence: NewSequence
-    # Prompt and generated tokens; while alone, the last is not in the KV cache yet.
-    tokens: list[int]
+
+def plan_drafts(
+    rates: list[float],
+    available: list[int],
+    costs: tuple[float, ...],
+    per_proposal: float = 0.0,
+) -> list[int]:
+    """How many proposals each row of a one-pass step verifies (0: none), for
+    the most expected tokens per second: each row is one token, plus the
+    proposals it verifies, of which each holds with probability ``rates[i]``, up
+    to ``available[i]`` and the measured passes; the pass costs ``pass_cost``
+    and each proposal
+    ``per_proposal``. Rows are taken best estimate first. None verify unless the
+    plan promises ``MIN_GAIN`` times the tokens per second of a plain step, since
+    a step that verifies is not pipelined."""
+    rows = len(rates)
+    plan = [0] * rows
+    tokens, made, proposed = rows, float(rows), 0
+
+    def pace(tokens: int, made: float, proposed: int) -> float:
+        return made / (pass_cost(costs, tokens) + proposed * per_proposal)
+
+    for i in sorted(range(rows), key=lambda i: -rates[i]):
+        best, best_pace = 0, pace(tokens, made, proposed)
+        # As many as the measured passes verify, as for a lone sequence.
+        for k in range(1, min(available[i], len(costs) - 1) + 1):
+            more = expected_tokens(rates[i], k) - 1
+            if pace(tokens + k, made + more, proposed + k) > best_pace:
+                best, best_pace = k, pace(tokens + k, made + more, proposed + k)
+        if best:
+            plan[i] = best
+            tokens, proposed = tokens + best, proposed + best
+            made += expected_tokens(rates[i], best) - 1
+    if pace(tokens, made, proposed) < MIN_GAIN * pace(rows, rows, 0):
+        return [0] * rows
+    return plan
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """A sequence's proposer and what its proposals earned: the acceptance
+    estimate, the last cheap guess, and the back-off."""
+
     proposer: NgramProposer | DraftProposer | None
-    inner: int | None = None
-    generated: int = 0
-    kv_cache: list | None = None
     # Decayed counts of accepted and verified proposals: the acceptance estimate.
     hits: float = field(init=False)
     trials: float = field(init=False)
     # A cheap proposal's first token, checked against the next decoded one.
     guess: int | None = None
-    # Rollback: the token the batch sampled as the sequence left it, and its
-    # logprobs, reported with the first lone step.
-    unreported: tuple[int, mx.array] | None = None
-    # Rollback: kept tokens before the last that the KV cache lacks after a
-    # rejection; the next pass runs them first.
-    replay: list[int] = field(default_factory=list)
     backoff_until: int = 0
     backoff: int = FIRST_BACKOFF_TOKENS
 
     def __post_init__(self):
         self.reset_estimate()
-
-    def cached_tokens(self) -> list[int]:
-        """The tokens the KV cache of the lone sequence holds."""
-        return self.tokens[: len(self.tokens) - 1 - len(self.replay)]
 
     def reset_estimate(self) -> None:
         """The prior: a cheap proposer's guesses are checked for free while the
@@ -228,6 +258,49 @@ class _SpeculativeRow:
     @property
     def acceptance(self) -> float:
         return self.hits / self.trials
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.hits = ACCEPTANCE_DECAY * self.hits + accepted
+        self.trials = ACCEPTANCE_DECAY * self.trials + accepted + (accepted < proposed)
+
+    def check_guess(self, tokens: list[int], made: tuple[int, ...]) -> None:
+        """Score the last cheap guess against the tokens plain decoding ``made``
+        (now the end of ``tokens``), so the estimate follows the text; and guess
+        the next."""
+        if self.guess is not None and made:
+            self.observe(1, int(made[0] == self.guess))
+        guess = self.proposer.propose(tokens, 1)
+        self.guess = guess[0] if guess else None
+
+    def back_off(self, generated: int) -> None:
+        """No proposals for a while: a number of tokens that doubles each time."""
+        self.backoff_until = generated + self.backoff
+        self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
+        if not self.proposer.cheap:
+            # Nothing checks its proposals meanwhile: it gets a fresh estimate.
+            self.reset_estimate()
+
+
+@dataclass(eq=False, kw_only=True)
+class _SpeculativeRow(DraftRow):
+    """A sequence the speculative decoder holds, in the inner decoder or alone."""
+
+    sequence: NewSequence
+    # Prompt and generated tokens; while alone, the last is not in the KV cache yet.
+    tokens: list[int]
+    inner: int | None = None
+    generated: int = 0
+    kv_cache: list | None = None
+    # Rollback: the token the batch sampled as the sequence left it, and its
+    # logprobs, reported with the first lone step.
+    unreported: tuple[int, mx.array] | None = None
+    # Rollback: kept tokens before the last that the KV cache lacks after a
+    # rejection; the next pass runs them first.
+    replay: list[int] = field(default_factory=list)
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens the KV cache of the lone sequence holds."""
+        return self.tokens[: len(self.tokens) - 1 - len(self.replay)]
 
 
 class SpeculativeDecoder(Decoder):
@@ -286,7 +359,7 @@ class SpeculativeDecoder(Decoder):
         proposer = None
         if sequence.draft_tokens > 0:
             proposer = self._make_proposer()
-        row = _SpeculativeRow(sequence, list(sequence.prompt), proposer)
+        row = _SpeculativeRow(proposer, sequence=sequence, tokens=list(sequence.prompt))
         row.inner = self._inner.add(sequence)
         self._rows[key] = row
         self._by_inner[row.inner] = key
@@ -315,7 +388,7 @@ class SpeculativeDecoder(Decoder):
             if row.proposer is not None:
                 row.tokens.extend(result.tokens)
                 if alone and row.proposer.cheap:
-                    self._check_guess(row, result.tokens)
+                    row.check_guess(row.tokens, result.tokens)
             if result.done:
                 del self._rows[key], self._by_inner[result.key]
             results.append(replace(result, key=key))
@@ -362,27 +435,6 @@ class SpeculativeDecoder(Decoder):
         # Leaving throws away the batch's step in flight: the first verification
         # must gain more than that step.
         return k > 0 and expected_tokens(row.acceptance, k) - self.costs[k] > LEAVE_COST
-
-    def _check_guess(self, row: _SpeculativeRow, tokens: tuple[int, ...]) -> None:
-        """Score the last cheap proposal against the token plain decoding made, so
-        the acceptance estimate follows the text while the sequence decodes plainly."""
-        if row.guess is not None and tokens:
-            self._observe(row, 1, int(tokens[0] == row.guess))
-        guess = row.proposer.propose(row.tokens, 1)
-        row.guess = guess[0] if guess else None
-
-    def _observe(self, row: _SpeculativeRow, proposed: int, accepted: int) -> None:
-        row.hits = ACCEPTANCE_DECAY * row.hits + accepted
-        row.trials = ACCEPTANCE_DECAY * row.trials + accepted + (accepted < proposed)
-
-    def _back_off(self, row: _SpeculativeRow) -> None:
-        """Back to plain decoding in the inner decoder for a while."""
-        row.backoff_until = row.generated + row.backoff
-        row.backoff = min(2 * row.backoff, MAX_BACKOFF_TOKENS)
-        if not row.proposer.cheap:
-            # Nothing checks its proposals meanwhile: it gets a fresh estimate.
-            row.reset_estimate()
-        self._back_to_batch(row)
 
     def _leave_batch(self, key: int, row: _SpeculativeRow) -> None:
         """Take the sequence out of the inner decoder to speculate alone."""
@@ -481,7 +533,7 @@ class SpeculativeDecoder(Decoder):
         if isinstance(sequence.sampler, SeededSampler):
             # Rejected positions are drawn again, by whichever decoder runs next.
             sequence.sampler.position = row.generated
-        self._observe(row, len(draft), accepted)
+        row.observe(len(draft), accepted)
         if accepted:
             row.backoff = FIRST_BACKOFF_TOKENS
         self.draft_proposed += len(draft)
@@ -516,7 +568,8 @@ class SpeculativeDecoder(Decoder):
             del self._rows[key]
             self._lone = None
         elif row.inner is None and self._best_length(row) == 0:
-            self._back_off(row)
+            row.back_off(row.generated)
+            self._back_to_batch(row)
         return StepResult(
             key,
             tuple(emitted),

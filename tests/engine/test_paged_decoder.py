@@ -3,8 +3,9 @@ hand: every family of the matrix either runs on pages, its greedy tokens and
 logprobs as mlx-lm's alone while sequences join, leave and start from a cached
 prefix with chunks that split pages, or is refused with its reason; a long prompt
 beside two decoding sequences is done within a bounded number of steps where the
-batch decoder starves it; pages come back on finish, cancel and error; kept states
-of a decoder reset after a failed step are never served."""
+batch decoder starves it; rows that verify proposals decode as mlx-lm alone; pages
+come back on finish, cancel and error, verifying or not; kept states of a decoder
+reset after a failed step are never served."""
 
 import gc
 import math
@@ -29,7 +30,8 @@ from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_utils import make_kv_cache
 from python_utils import parse_options
 from tests.family_models import FAMILIES
-from tests.support import device_tolerance, near_tie
+from tests.support import EagerLookup, device_tolerance, near_tie
+from tests.tiny_models import FLAT
 
 # The families whose caches and attention run on pages; the rest say why not.
 PAGED = {"llama", "qwen3", "phi3"}
@@ -228,9 +230,44 @@ def test_a_long_prompt_beside_decoding_sequences_is_done_in_bounded_steps(llama)
     batch.close()
 
 
-def test_pages_come_back_on_finish_cancel_and_error(llama):
-    shapes = paged_layers(llama, OPTIONS)
-    decoder = PagedDecoder(llama, OPTIONS, shapes, SMALL_STEPS)
+def speculating(model, budget: StepBudget = SMALL_STEPS) -> PagedDecoder:
+    """A paged decoder whose rows verify every lookup proposal (flat costs)."""
+    decoder = PagedDecoder(model, OPTIONS, paged_layers(model, OPTIONS), budget)
+    decoder.speculate(lambda: EagerLookup(1, 3), FLAT)
+    return decoder
+
+
+def test_rows_that_verify_proposals_decode_as_mlx_lm(llama):
+    """Prompts that repeat themselves, so lookup proposes from the first token:
+    each row verifies in the step's pass beside the others (and a prompt's
+    chunks), keeps what mlx-lm alone makes, and its kept state holds only the
+    tokens it kept."""
+    decoder = speculating(llama)
+    prompts = {
+        f"loop{seed}": prompt_of(12, seed) * 3 + prompt_of(5, seed + 10)
+        for seed in (21, 22, 23)
+    }
+    keys = {
+        decoder.add(sequence(llama, p, 16, draft_tokens=4)): n
+        for n, p in prompts.items()
+    }
+    out = run_until_done(decoder, keys)
+    assert decoder.draft_proposed > 0 and decoder.draft_accepted > 0
+    for name, (tokens, scores, state) in out.items():
+        steps = reference(llama, prompts[name], 16)
+        assert_as_reference(tokens, scores, steps)
+        # The last token is returned, not fed: the state holds the rest.
+        assert state.tokens == [*prompts[name], *tokens[:-1]]
+
+
+@pytest.mark.parametrize("verifying", [False, True], ids=["plain", "verifying"])
+def test_pages_come_back_on_finish_cancel_and_error(llama, verifying):
+    if verifying:
+        decoder = speculating(llama)
+    else:
+        decoder = PagedDecoder(
+            llama, OPTIONS, paged_layers(llama, OPTIONS), SMALL_STEPS
+        )
     kv = decoder._kv
     rng = random.Random(68)
     cancelled = set()
@@ -240,9 +277,10 @@ def test_pages_come_back_on_finish_cancel_and_error(llama):
             flag = rng.random() < 0.2
             seq = sequence(
                 llama,
-                prompt_of(rng.randint(1, 90), round_),
+                prompt_of(rng.randint(1, 45), round_) * 2,
                 rng.randint(1, 6),
                 cancelled=(lambda: True) if flag else (lambda: False),
+                draft_tokens=3,
             )
             key = decoder.add(seq)
             live.add(key)
@@ -257,6 +295,7 @@ def test_pages_come_back_on_finish_cancel_and_error(llama):
                 live.discard(result.key)
                 decoder.remove(result.key, keep_state=rng.random() < 0.5)
     assert cancelled
+    assert (decoder.draft_proposed > 0) == verifying
     for key in list(live):
         decoder.remove(key)
     assert kv.pages_held == 0

@@ -3,7 +3,8 @@
 The output is what plain decoding gives, alone, in a batch and when a lone
 sequence joins a batch, and it is cut where plain decoding cuts it; seeded
 sampling draws the same tokens; cancellation stops it; Status and the request
-metrics count proposals; draft models propose. (tests/unit/test_speculative.py
+metrics count proposals; draft models propose. Each runs on the batch decoder
+(a lone sequence speculates) and on the paged one (every row may). (tests/unit/test_speculative.py
 checks the sampled distribution on a tiny llama.)
 """
 
@@ -15,6 +16,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.paged import PagedDecoder, paged_layers
 from mlx_backend.decoders.proposers import NgramProposer
 from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.engine.engine import Engine
@@ -47,16 +49,26 @@ REPEAT = "Repeat this paragraph exactly, word for word:\n\n" + PARAGRAPH
 POEM = "Write a short poem about the sea."
 
 
+# The decoder's options: the batch decoder's and the paged one's.
+MODES = {"batch": (), "paged": ("paged:true",)}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def mode(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def plain():
-    engine = load_engine("speculative:off")
+def plain(mode):
+    engine = load_engine("speculative:off", *MODES[mode])
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def speculative():
-    engine = load_engine()
+def speculative(mode):
+    engine = load_engine(*MODES[mode])
+    assert isinstance(engine.served.decoder, PagedDecoder) == (mode == "paged")
     on_engine_thread(
         engine, lambda model, options: setattr(engine.served.decoder, "costs", FLAT)
     )
@@ -95,20 +107,25 @@ def proposals(engine) -> tuple[int, int]:
     return memory["draft_tokens_proposed"], memory["draft_tokens_accepted"]
 
 
-def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
-    """The tokens of each step of a lone greedy sequence, as the speculative
-    decoder (with flat costs) makes them."""
-    prompt = chat_prompt(engine, text)
+def trace_steps(engine, *texts: str, max_tokens: int = 64) -> list[dict]:
+    """Each step's tokens per text (by index), greedy sequences that start
+    together, as the speculative decoder (with flat costs) makes them."""
+    prompts = [chat_prompt(engine, text) for text in texts]
 
     def steps(model, options):
-        decoder = SpeculativeDecoder(
-            BatchDecoder(model, options, True),
-            model,
-            lambda: NgramProposer(2, 4),
-            costs=FLAT,
-        )
-        decoder.add(
-            NewSequence(
+        if options.paged:
+            decoder = PagedDecoder(model, options, paged_layers(model, options))
+            decoder.speculate(lambda: NgramProposer(2, 4), FLAT)
+        else:
+            decoder = SpeculativeDecoder(
+                BatchDecoder(model, options, True),
+                model,
+                lambda: NgramProposer(2, 4),
+                costs=FLAT,
+            )
+        keys = {}
+        for i, prompt in enumerate(prompts):
+            sequence = NewSequence(
                 prompt,
                 prompt,
                 make_prompt_cache(model),
@@ -117,14 +134,23 @@ def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
                 max_tokens,
                 draft_tokens=8,
             )
-        )
+            keys[decoder.add(sequence)] = i
         made = []
-        while not made or not made[-1][1]:
-            made += [(r.tokens, r.done) for r in decoder.step()]
+        while keys:
+            results = decoder.step()
+            made.append({keys[r.key]: r.tokens for r in results if r.tokens})
+            for r in results:
+                if r.done:
+                    del keys[r.key]
         decoder.close()
-        return [tokens for tokens, _ in made]
+        return [step for step in made if step]
 
     return on_engine_thread(engine, steps)
+
+
+def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
+    """The tokens of each step of a lone greedy sequence."""
+    return [step[0] for step in trace_steps(engine, text, max_tokens=max_tokens)]
 
 
 @pytest.mark.parametrize(
@@ -209,6 +235,18 @@ def test_a_batch_decodes_as_plain_batching(plain, speculative):
         check_same(want, got)
 
 
+def test_rows_of_a_batch_speculate_on_pages(speculative, mode):
+    """On pages every decoding row verifies its own proposals in the step's one
+    pass; the batch decoder speculates for a sequence once it is alone."""
+    steps = trace_steps(speculative, REPEAT, POEM, REPEAT)
+    together = [s for s in steps if len(s) == 3]
+    verified = [s for s in together if len(s[0]) > 1 and len(s[2]) > 1]
+    if mode == "paged":
+        assert len(verified) >= 3, steps
+    else:
+        assert not verified
+
+
 def test_a_lone_sequence_joins_the_batch_and_leaves_again(plain, speculative):
     before = proposals(speculative)
 
@@ -271,16 +309,20 @@ def flat_costs(engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def short_plain(short_default):
+def short_plain(short_default, mode):
     """Plain decoding on the default model's first layers: draft models are about
     the proposals, which its shapes and tokenizer make as the whole model's do."""
-    engine = load_engine("speculative:off", model=str(short_default))
+    engine = load_engine("speculative:off", *MODES[mode], model=str(short_default))
     yield engine
     engine.shutdown()
 
 
-def test_the_model_as_its_own_draft_accepts_everything(short_plain, short_default):
-    engine = load_engine(model=str(short_default), draft=str(short_default))
+def test_the_model_as_its_own_draft_accepts_everything(
+    short_plain, short_default, mode
+):
+    engine = load_engine(
+        *MODES[mode], model=str(short_default), draft=str(short_default)
+    )
     try:
         flat_costs(engine)
         for text in (REPEAT, POEM):
@@ -295,10 +337,10 @@ def test_the_model_as_its_own_draft_accepts_everything(short_plain, short_defaul
 
 
 def test_a_random_draft_is_mostly_rejected_and_changes_nothing(
-    short_plain, short_default, tmp_path
+    short_plain, short_default, tmp_path, mode
 ):
     draft = make_tiny_draft(tmp_path / "draft")
-    engine = load_engine(model=str(short_default), draft=str(draft))
+    engine = load_engine(*MODES[mode], model=str(short_default), draft=str(draft))
     try:
         flat_costs(engine)
         expected, actual = both(short_plain, engine, REPEAT, max_tokens=48)

@@ -12,10 +12,16 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.paged import PagedDecoder, paged_layers
 from mlx_backend.decoders.proposers import NgramProposer
-from mlx_backend.decoders.speculative import SpeculativeDecoder, best_draft_length
+from mlx_backend.decoders.speculative import (
+    SpeculativeDecoder,
+    best_draft_length,
+    plan_drafts,
+)
 from mlx_backend.sampling import make_seeded_sampler
 from python_utils import LoadOptions
+from tests.support import EagerLookup
 from tests.tiny_models import FLAT, TINY_LLAMA
 
 
@@ -31,22 +37,43 @@ def test_ngram_proposer_prefers_the_longest_latest_match():
     assert NgramProposer(1, 1).propose([5, 6, 5], 4) == [6, 5]
 
 
-@pytest.mark.parametrize(
-    "rate, costs, available, expected",
-    [
-        (0.9, (1.0, 1.1, 1.2, 1.3), 3, 3),
-        (0.9, (1.0, 1.1, 1.2, 1.3), 1, 1),
-        (0.05, (1.0, 1.1, 1.2, 1.3), 3, 0),
-        # Passes over several tokens cost as much as that many single ones.
-        (0.9, (1.0, 2.0, 3.0, 4.0), 3, 0),
-        (0.5, (1.0, 1.1, 1.2, 3.0), 3, 2),
-        (0.9, (1.0, 1.1), 5, 1),
-        # A small gain does not pay for leaving the pipelined batch.
-        (0.3, (1.0, 1.05), 1, 0),
-    ],
-)
+DRAFT_LENGTHS = [
+    (0.9, (1.0, 1.1, 1.2, 1.3), 3, 3),
+    (0.9, (1.0, 1.1, 1.2, 1.3), 1, 1),
+    (0.05, (1.0, 1.1, 1.2, 1.3), 3, 0),
+    # Passes over several tokens cost as much as that many single ones.
+    (0.9, (1.0, 2.0, 3.0, 4.0), 3, 0),
+    (0.5, (1.0, 1.1, 1.2, 3.0), 3, 2),
+    (0.9, (1.0, 1.1), 5, 1),
+    # A small gain does not pay for leaving the pipelined batch.
+    (0.3, (1.0, 1.05), 1, 0),
+]
+
+
+@pytest.mark.parametrize("rate, costs, available, expected", DRAFT_LENGTHS)
 def test_best_draft_length(rate, costs, available, expected):
     assert best_draft_length(rate, costs, available) == expected
+
+
+@pytest.mark.parametrize("rate, costs, available, expected", DRAFT_LENGTHS)
+def test_a_lone_row_plans_as_a_lone_sequence(rate, costs, available, expected):
+    assert plan_drafts([rate], [available], costs) == [expected]
+
+
+# A pass costs little more per token up to 4 tokens, then a pass each.
+FILLING = (1.0, 1.1, 1.2, 1.3, 2.3, 3.3)
+
+
+def test_rows_of_a_batch_verify_where_the_pass_has_room():
+    # Where passes cost the same whatever they carry, every row verifies all it can.
+    assert plan_drafts([0.9, 0.0, 0.5], [4, 0, 2], FLAT) == [4, 0, 2]
+    # Alone, a likely proposal pays; beside three rows that fill the pass, not.
+    assert plan_drafts([0.9], [3], FILLING) == [3]
+    assert plan_drafts([0.9, 0.0, 0.0, 0.0], [3, 0, 0, 0], FILLING) == [0] * 4
+    # Room for a few tokens goes to the likeliest proposals first.
+    assert plan_drafts([0.3, 0.95], [2, 2], FILLING) == [0, 2]
+    # Beyond the measured passes, each token costs what the last one did.
+    assert plan_drafts([0.0, 0.99], [0, 8], FILLING) == [0, 2]
 
 
 # -- the sampled distribution, on a tiny llama ------------------------------
@@ -74,29 +101,34 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-class EagerLookup(NgramProposer):
-    """Prompt lookup verified from the first decoded token on, as a draft model's
-    proposals are, rather than after its guesses have held."""
+def speculating(model, paged: bool):
+    """The batch decoder with speculation for a lone sequence, or the paged one
+    speculating for its rows, both with eager lookup at flat costs."""
+    options = LoadOptions(prefill_step_size=64)
+    if paged:
+        decoder = PagedDecoder(model, options, paged_layers(model, options))
+        decoder.speculate(lambda: EagerLookup(1, 3), FLAT)
+        return decoder
+    return SpeculativeDecoder(
+        BatchDecoder(model, options, True),
+        model,
+        lambda: EagerLookup(1, 3),
+        costs=FLAT,
+    )
 
-    cheap = False
 
-
-def test_speculative_sampling_keeps_the_model_distribution(tiny):
+@pytest.mark.parametrize("paged", [False, True], ids=["batch", "paged"])
+def test_speculative_sampling_keeps_the_model_distribution(tiny, paged):
     """The second token (the first one a verification pass samples, after the
     n-gram proposal from the repeated prompt) follows the model's own
     distribution: a chi-square test over seeded draws against exact probabilities."""
     # Every token occurs in the prompt: whatever comes first, a proposal follows.
     prompt = tuple(range(VOCAB)) + (3, 4, 5)
-    decoder = SpeculativeDecoder(
-        BatchDecoder(tiny, LoadOptions(prefill_step_size=64), True),
-        tiny,
-        lambda: EagerLookup(1, 3),
-        costs=FLAT,
-    )
+    decoder = speculating(tiny, paged)
     draws = 1200
     counts: Counter = Counter()
     for seed in range(draws):
-        decoder.add(
+        key = decoder.add(
             NewSequence(
                 prompt,
                 prompt,
@@ -110,7 +142,8 @@ def test_speculative_sampling_keeps_the_model_distribution(tiny):
         tokens = []
         while len(tokens) < 2:
             tokens += [t for r in decoder.step() for t in r.tokens]
-        decoder.reset()
+        # Not a reset: a paged store's first pass fills a new arena.
+        decoder.remove(key, keep_state=False)
         counts[tokens[1]] += 1
     assert decoder.draft_proposed > 0 and 0 < decoder.draft_accepted
     # Exact: p(second) = sum over first of p(first) p(second | first).
