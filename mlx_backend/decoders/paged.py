@@ -51,6 +51,7 @@ from mlx_backend.decoders.base import (
 from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
 from mlx_backend.decoders.speculative import (
     FIRST_BACKOFF_TOKENS,
+    LEAVE_COST,
     DraftRow,
     plan_drafts,
 )
@@ -410,7 +411,12 @@ class PagedDecoder(Decoder):
         if not any(available):
             return False
         rates = [r.draft.acceptance if r.draft else 0.0 for r in rows]
-        return any(plan_drafts(rates, available, self.costs, self.per_proposal))
+        # An estimate that guesses just raised is likelier high than the next
+        # proposals are to hold: going over asks a token more, as leaving the
+        # batch does. A costly proposer's is the last verifications'.
+        cheap = all(r.draft.proposer.cheap for r, n in zip(rows, available) if n)
+        least = LEAVE_COST if cheap else 0.0
+        return any(plan_drafts(rates, available, self.costs, self.per_proposal, least))
 
     @staticmethod
     def _work(segments: list[Segment]) -> PassWork:

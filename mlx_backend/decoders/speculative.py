@@ -199,6 +199,7 @@ def plan_drafts(
     available: list[int],
     costs: tuple[float, ...],
     per_proposal: float = 0.0,
+    least_gain: float = 0.0,
 ) -> list[int]:
     """How many proposals each row of a one-pass step verifies (0: none), for
     the most expected tokens per second: each row is one token, plus the
@@ -207,7 +208,8 @@ def plan_drafts(
     and each proposal
     ``per_proposal``. Rows are taken best estimate first. None verify unless the
     plan promises ``MIN_GAIN`` times the tokens per second of a plain step, since
-    a step that verifies is not pipelined."""
+    a step that verifies is not pipelined, and ``least_gain`` tokens more than
+    plain steps make in its time."""
     rows = len(rates)
     plan = [0] * rows
     tokens, made, proposed = rows, float(rows), 0
@@ -226,7 +228,9 @@ def plan_drafts(
             plan[i] = best
             tokens, proposed = tokens + best, proposed + best
             made += expected_tokens(rates[i], best) - 1
-    if pace(tokens, made, proposed) < MIN_GAIN * pace(rows, rows, 0):
+    seconds = pass_cost(costs, tokens) + proposed * per_proposal
+    plain = pace(rows, rows, 0)
+    if made < MIN_GAIN * plain * seconds or made - plain * seconds < least_gain:
         return [0] * rows
     return plan
 

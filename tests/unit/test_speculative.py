@@ -72,6 +72,11 @@ def test_rows_of_a_batch_verify_where_the_pass_has_room():
     assert plan_drafts([0.9, 0.0, 0.0, 0.0], [3, 0, 0, 0], FILLING) == [0] * 4
     # Room for a few tokens goes to the likeliest proposals first.
     assert plan_drafts([0.3, 0.95], [2, 2], FILLING) == [0, 2]
+    # Asked for a token more than plain steps make in its time (entering from
+    # guesses): a proposal that holds half the time does not go, one of 0.6 does.
+    assert plan_drafts([0.5], [8], FLAT) == [8]
+    assert plan_drafts([0.5], [8], FLAT, least_gain=1.0) == [0]
+    assert plan_drafts([0.6], [8], FLAT, least_gain=1.0) == [8]
     # Beyond the measured passes, each token costs what the last one did.
     assert plan_drafts([0.0, 0.99], [0, 8], FILLING) == [0, 2]
 
