@@ -289,6 +289,9 @@ class PagedKV:
             self.values[layer].append(
                 mx.zeros((rows, s.kv_heads, s.value_dims), s.stored)
             )
+        # Filled now, not by the step that first writes it: the memory is taken
+        # when the store says so (the first arena at load).
+        mx.eval([arenas[-1] for arenas in (*self.keys, *self.values)])
         first, more = len(self._refs), self.arena_pages
         self._refs += [0] * more
         # Lowest pages first out of the list's end.

@@ -138,6 +138,10 @@ class Decoder(ABC):
         """Bytes of KV cache the sequences hold now."""
         return 0
 
+    def free_pool_nbytes(self) -> int:
+        """Bytes of a KV pool kept for the next sequences, held by none now."""
+        return 0
+
     def take_pending(self, key: int) -> "Pending | None":
         """Take a decoding sequence out with the token its next step already
         sampled; None where the decoder can't (then ``remove`` it)."""

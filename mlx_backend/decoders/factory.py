@@ -1,12 +1,15 @@
 """The decoder for a loaded model: which generation path serves it."""
 
 import logging
+from dataclasses import dataclass
 from functools import partial
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from mlx_backend.caches.kinds import layer_kind
+from mlx_backend.caches.paged import LayerShape
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.measured import measured_once
@@ -26,26 +29,43 @@ from python_utils import LoadOptions
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PagedChoice:
+    """Whether the paged pass serves a model: its layers' shapes, or why not."""
+
+    shapes: tuple[LayerShape, ...] = ()
+    why_not: str = ""
+
+
+def choose_paged(model: nn.Module, options: LoadOptions) -> PagedChoice:
+    """The paged pass where the options ask for it (``use_paged``) and a probe
+    finds it gives the model's logits; the load log says which."""
+    if not use_paged(options):
+        return PagedChoice(why_not="paged is off (paged:true turns it on)")
+    try:
+        shapes = paged_layers(model, options)
+    except NotPaged as e:
+        logger.info("the paged pass is off: %s", e)
+        return PagedChoice(why_not=f"the paged pass can't serve this model: {e}")
+    logger.info("one forward pass per step over paged KV")
+    return PagedChoice(tuple(shapes))
+
+
 def make_plain_decoder(
     model: nn.Module,
     options: LoadOptions,
     pace: bool = False,
     budget: StepBudget = NO_STEP_BUDGET,
+    paged: PagedChoice | None = None,
 ) -> Decoder:
-    """The plain decoder for a loaded model: batched when its KV caches can be
-    merged, with paced CPU steps when ``pace`` (``make_pacing``) and prefill
-    within the step token ``budget``."""
-    why_not = "paged is off (paged:true turns it on)"
-    if use_paged(options):
-        try:
-            shapes = paged_layers(model, options)
-        except NotPaged as e:
-            logger.info("the paged pass is off: %s", e)
-            why_not = f"the paged pass can't serve this model: {e}"
-        else:
-            logger.info("one forward pass per step over paged KV")
-            return PagedDecoder(model, options, shapes, budget)
-    refuse_kv_dtype(options, why_not)
+    """The plain decoder for a loaded model: over pages where ``paged`` (by
+    default ``choose_paged``) says so, else batched when its KV caches can be
+    merged, with paced CPU steps when ``pace`` (``make_pacing``); prefill within
+    the step token ``budget``."""
+    paged = paged or choose_paged(model, options)
+    if paged.shapes:
+        return PagedDecoder(model, options, list(paged.shapes), budget)
+    refuse_kv_dtype(options, paged.why_not)
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:
@@ -65,9 +85,11 @@ def refuse_kv_dtype(options: LoadOptions, why_not: str) -> None:
 
 
 def use_paged(options: LoadOptions) -> bool:
-    """Whether the options ask for the paged pass: ``paged``, where "auto" is
-    off until quantized KV, windows and the memory budget run on pages."""
-    return bool(options.paged)
+    """Whether the options ask for the paged pass: ``paged``, where "auto" is on
+    the CPU (on a GPU it waits for a lent device's measurement)."""
+    if options.paged is not None:
+        return options.paged
+    return mx.default_device() == mx.cpu
 
 
 def make_decoder(
@@ -76,13 +98,14 @@ def make_decoder(
     draft: nn.Module | None = None,
     pace: bool = False,
     budget: StepBudget = NO_STEP_BUDGET,
+    paged: PagedChoice | None = None,
 ) -> Decoder:
     """The decoder for a loaded model: the plain one (batched when its KV caches
     can be merged, with paced CPU steps when ``pace``), speculating with
     ``draft`` or n-gram prompt lookup (the paged decoder for each row, any other
     for a lone sequence), unless that is off (or the KV caches can't go back and
     the sequences run one each)."""
-    inner = make_plain_decoder(model, options, pace, budget)
+    inner = make_plain_decoder(model, options, pace, budget, paged)
     kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
     why = None
     if options.speculative == "off" or options.num_draft_tokens == 0:

@@ -250,6 +250,10 @@ class PagedDecoder(Decoder):
         """Bytes of every page held: its sequences' and their kept states'."""
         return self._kv.nbytes()
 
+    def free_pool_nbytes(self) -> int:
+        # The arenas' pages nothing holds: a new arena is about ARENA_BYTES.
+        return (self._kv.pages - self._kv.pages_held) * self._kv.page_nbytes
+
     @property
     def step_token_budget(self) -> int:
         return self.pacer.tokens

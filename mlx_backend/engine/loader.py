@@ -22,9 +22,11 @@ import mlx.nn as nn
 from mlx_backend.caches.kinds import REUSE_BY_TRIM, CacheKinds, make_cache_kinds
 from mlx_backend.cpu.blas import apply_blas_threads, blas_threads
 from mlx_backend.cpu.kernels import kernel_settings, match_blas_threads
-from mlx_backend.cpu.pacing import make_pacing
+from mlx_backend.cpu.pacing import Pacing, make_pacing
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.factory import (
+    PagedChoice,
+    choose_paged,
     make_decoder,
     make_plain_decoder,
     refuse_kv_dtype,
@@ -176,7 +178,18 @@ def prepare(
         plan.adapters,
     )
     model, options = loaded.model, info.options
-    pacing = make_pacing(model, options, lockstep is None, os.environ)
+    if lockstep is None:
+        paged = choose_paged(model, options)
+    else:
+        refuse_kv_dtype(options, "the paged pass does not run over a group yet")
+        if options.paged:
+            logger.info("the paged pass is off: it does not run over a group yet")
+        paged = PagedChoice(why_not="the paged pass does not run over a group yet")
+    if paged.shapes:
+        # Its steps already overlap the host: cpu_pacing is the batch decoder's.
+        pacing = Pacing(False, "the paged pass queues a step before reading the last")
+    else:
+        pacing = make_pacing(model, options, lockstep is None, os.environ)
     path = info.compute_path.extended(pacing.describe(), paced=pacing.paced)
     for note in notes:
         path = path.extended(note)
@@ -199,7 +212,7 @@ def prepare(
         info, compute_path=info.compute_path.extended(step_budget.describe())
     )
     decoder = _make_decoder(
-        model, options, resolved.draft, pacing.paced, lockstep, step_budget
+        model, options, resolved.draft, pacing.paced, lockstep, step_budget, paged
     )
     # PromptCachePath files may lie under ModelPath and prompt_cache_dir; a group
     # uses none.
@@ -266,13 +279,11 @@ def _make_decoder(
     paced: bool,
     lockstep: Lockstep | None,
     budget: StepBudget,
+    paged: PagedChoice,
 ) -> Decoder:
     if lockstep is None:
-        return make_decoder(model, options, draft, paced, budget)
-    refuse_kv_dtype(options, "the paged pass does not run over a group yet")
-    if options.paged:
-        logger.info("the paged pass is off: it does not run over a group yet")
-    decoder = make_plain_decoder(model, replace(options, paged=False), paced, budget)
+        return make_decoder(model, options, draft, paced, budget, paged)
+    decoder = make_plain_decoder(model, options, paced, budget, paged)
     if not decoder.capabilities.batching:
         raise InvalidArgument("distributed serving needs a model whose KV caches batch")
     return LeaderDecoder(decoder, lockstep) if lockstep.rank == 0 else decoder

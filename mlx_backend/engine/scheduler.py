@@ -129,6 +129,7 @@ class Scheduler:
             "requests_waiting": len(self.waiting)
             + sum(map(len, self._pending.values())),
             "kv_live_bytes": served.decoder.kv_nbytes() if served else 0,
+            "kv_pool_free_bytes": served.decoder.free_pool_nbytes() if served else 0,
         }
         if served is not None and served.budget is not None:
             figures.update(served.budget.breakdown())

@@ -61,10 +61,15 @@ def test_an_unread_stream_is_ended_and_the_others_go_on(server):
 
 def test_finished_generations_keep_only_their_own_kv_state(server):
     def held() -> int:
-        # MLX memory beyond the prompt cache's own count, once the batch is done.
+        # MLX memory beyond the prompt cache's own count and the paged store's
+        # pages kept for the next sequences, once the batch is done.
         server.wait_for(pb.StatusResponse.READY)
         memory = server.stub.Status(pb.HealthMessage()).memory.breakdown
-        return memory["active"] - memory["prompt_cache_bytes"]
+        return (
+            memory["active"]
+            - memory["prompt_cache_bytes"]
+            - memory["kv_pool_free_bytes"]
+        )
 
     before = held()
     run_concurrently(

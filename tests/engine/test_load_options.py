@@ -122,8 +122,9 @@ def test_threads_cap_the_blas(monkeypatch):
 
 
 def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
-    """``cpu_pacing`` sets it; ``auto`` measures it on the CPU. The load message
-    and Status say which, and replies are the same, under a grammar too."""
+    """``cpu_pacing`` sets the batch decoder's; ``auto`` measures it on the CPU.
+    The load message and Status say which, and replies are the same, under a
+    grammar too. The paged decoder is never paced, whatever the option says."""
     on_cpu = mx.default_device() == mx.cpu
 
     def person(engine) -> str:
@@ -134,13 +135,13 @@ def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
         (events,) = run(engine, request)
         return text_of(events)
 
-    engine = load_engine("cpu_pacing:off")
+    engine = load_engine("cpu_pacing:off", "paged:false")
     try:
         unpaced = person(engine)
         check_person(unpaced)
     finally:
         engine.shutdown()
-    engine = load_engine("cpu_pacing:on")
+    engine = load_engine("cpu_pacing:on", "paged:false")
     try:
         assert person(engine) == unpaced
         path = engine.info.compute_path
@@ -150,7 +151,8 @@ def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
         monkeypatch.setenv(CPU_PACING_ENV, "auto")
-        engine.load(LoadPlan(identity="default", options=parse_options([]))).result()
+        options = parse_options(["paged:false"])
+        engine.load(LoadPlan(identity="default", options=options)).result()
         path = engine.info.compute_path
         if on_cpu:
             assert re.search(
@@ -163,5 +165,11 @@ def test_pacing_is_chosen_at_load_and_reported(monkeypatch):
         assert "pacing-loop" not in {t.name for t in threading.enumerate()}
         (events,) = run(engine, generation(engine, max_tokens=40))
         assert text_of(events) == ANSWER
+        if on_cpu:
+            options = parse_options(["cpu_pacing:on"])
+            engine.load(LoadPlan(identity="default", options=options)).result()
+            path = engine.info.compute_path
+            assert "CPU pacing off (the paged pass queues" in path.description
+            assert stats_after(engine)["cpu_paced"] == 0
     finally:
         engine.shutdown()

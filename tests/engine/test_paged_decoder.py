@@ -375,6 +375,6 @@ def test_float16_pages_hold_half_the_bytes_and_decode_as_mlx_lm(llama):
 
 
 def test_kv_dtype_without_the_paged_pass_is_refused(llama):
-    options = parse_options(["kv_dtype:float16"])
+    options = parse_options(["kv_dtype:float16", "paged:false"])
     with pytest.raises(InvalidArgument, match="kv_dtype.*paged is off"):
         make_plain_decoder(llama, options)

@@ -50,7 +50,7 @@ POEM = "Write a short poem about the sea."
 
 
 # The decoder's options: the batch decoder's and the paged one's.
-MODES = {"batch": (), "paged": ("paged:true",)}
+MODES = {"batch": ("paged:false",), "paged": ("paged:true",)}
 
 
 @pytest.fixture(scope="module", params=list(MODES))

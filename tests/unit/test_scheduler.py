@@ -51,6 +51,9 @@ class FakeDecoder:
     def kv_nbytes(self):
         return 0
 
+    def free_pool_nbytes(self):
+        return 0
+
 
 class FakeStore:
     """Serves all but the last two prompt tokens, and keeps what it is given."""
