@@ -106,7 +106,8 @@ class _Row:
 class _Queued:
     """A step queued on the device: the rows that sampled, the proposals each
     verifies, their tokens and log probabilities (lazy: a row's positions in
-    turn), and its work: decode rows, and prompt chunks."""
+    turn), its work (decode rows, and prompt chunks), and whether it was queued
+    before the last step was read (its time then is the device's alone)."""
 
     rows: tuple[_Row, ...]
     drafts: tuple[tuple[int, ...], ...]
@@ -114,6 +115,7 @@ class _Queued:
     logprobs: mx.array
     decode_work: PassWork
     chunk_work: PassWork
+    overlapped: bool = True
 
     @property
     def verifies(self) -> bool:
@@ -360,6 +362,7 @@ class PagedDecoder(Decoder):
             logprobs,
             rows,
             self._work(segments[len(decoding) :]),
+            overlapped=not read,
         )
 
     def _drafts(self, decoding: list[_Row]) -> list[list[int]]:
@@ -385,12 +388,17 @@ class PagedDecoder(Decoder):
                 row.draft.guess = None
         return drafts
 
-    def _draft_limit(self, row: _Row) -> int:
-        """The proposals ``row`` may verify in its next pass: none while it
-        backs off, and none past its token limit."""
+    def _draft_limit(self, row: _Row, unread: int = 0) -> int:
+        """The proposals ``row`` may verify in its next pass, ``unread`` of its
+        tokens not yet read: none while it backs off, none past its token limit,
+        and none while a draft model still catches up on its prompt (a chunk a
+        step)."""
         if row.draft is None or row.returned < row.draft.backoff_until:
             return 0
-        return max(min(row.draft_tokens, row.max_tokens - row.returned - 1), 0)
+        limit = min(row.draft_tokens, row.max_tokens - row.returned - unread - 1)
+        if limit < 1 or not row.draft.proposer.catch_up(row.tokens):
+            return 0
+        return limit
 
     def _drafts_pay(self) -> bool:
         """Whether the next step should read the queued one first to verify
@@ -403,9 +411,10 @@ class PagedDecoder(Decoder):
             for r in self._queued.rows
             if self._rows.get(r.key) is r and r.sampled < r.max_tokens
         ]
+        # Their tokens in flight are not read yet.
         available = [
             (
-                self._draft_limit(r)
+                self._draft_limit(r, unread=1)
                 if r.draft is not None
                 and (r.draft.guess is not None or not r.draft.proposer.cheap)
                 else 0
@@ -509,7 +518,8 @@ class PagedDecoder(Decoder):
             return results
         tokens = queued.tokens.tolist()
         now = time.perf_counter()
-        if self._last_read is not None:
+        if self._last_read is not None and queued.overlapped:
+            # A step queued after the last was read also timed the host's work.
             self.pacer.observe(
                 now - self._last_read, queued.decode_work, queued.chunk_work
             )
@@ -588,16 +598,12 @@ class PagedDecoder(Decoder):
         self.draft_accepted += kept
         if kept:
             row.draft.backoff = FIRST_BACKOFF_TOKENS
-        elif (
-            not proposer.cheap
-            and self._draft_limit(row)
-            and not any(
-                plan_drafts(
-                    [row.draft.acceptance],
-                    [self._draft_limit(row)],
-                    self.costs,
-                    self.per_proposal,
-                )
+        elif not proposer.cheap and not any(
+            plan_drafts(
+                [row.draft.acceptance],
+                [max(min(row.draft_tokens, row.max_tokens - row.sampled - 1), 0)],
+                self.costs,
+                self.per_proposal,
             )
         ):
             # Nothing checks a costly proposer's guesses between verifications.

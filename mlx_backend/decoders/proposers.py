@@ -37,6 +37,10 @@ class NgramProposer:
                 return tokens[start : start + limit]
         return []
 
+    def catch_up(self, tokens: list[int]) -> bool:
+        """Ready to propose after ``tokens``: lookups need no catching up."""
+        return True
+
     def rewind(self, accepted: int, proposed: int) -> None:
         pass
 
@@ -59,16 +63,25 @@ class DraftProposer:
         self._fed = 0
         self._proposed = 0
 
+    def catch_up(self, tokens: list[int]) -> bool:
+        """Feed the draft one chunk of the tokens before the last of ``tokens``
+        that it has not seen; whether it has seen them all now. A batch calls
+        this once a step, so a long prompt's catching up never stalls a step by
+        more than one chunk of the draft."""
+        if self._cache is None:
+            self._cache = make_prompt_cache(self._model)
+        chunk = tokens[self._fed : -1][: self._step_size]
+        if chunk:
+            self._model(mx.array(chunk)[None], cache=self._cache)
+            mx.eval([c.state for c in self._cache])
+            self._fed += len(chunk)
+        return self._fed >= len(tokens) - 1
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         if limit < 1:
             return []
-        if self._cache is None:
-            self._cache = make_prompt_cache(self._model)
-        unseen = tokens[self._fed : -1]
-        for start in range(0, len(unseen), self._step_size):
-            chunk = mx.array(unseen[start : start + self._step_size])
-            self._model(chunk[None], cache=self._cache)
-            mx.eval([c.state for c in self._cache])
+        while not self.catch_up(tokens):
+            pass
         y = mx.array(tokens[-1:])
         proposals = []
         for _ in range(limit):

@@ -185,7 +185,7 @@ def prepare(
         if options.paged:
             logger.info("the paged pass is off: it does not run over a group yet")
         paged = PagedChoice(why_not="the paged pass does not run over a group yet")
-    if paged.shapes:
+    if paged.shapes and mx.default_device() == mx.cpu:
         # Its steps already overlap the host: cpu_pacing is the batch decoder's.
         pacing = Pacing(False, "the paged pass queues a step before reading the last")
     else:

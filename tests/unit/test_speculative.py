@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.paged import PagedDecoder, paged_layers
-from mlx_backend.decoders.proposers import NgramProposer
+from mlx_backend.decoders.proposers import DraftProposer, NgramProposer
 from mlx_backend.decoders.speculative import (
     SpeculativeDecoder,
     best_draft_length,
@@ -99,6 +99,19 @@ def tiny():
     model.lm_head.weight = model.lm_head.weight * 8
     mx.eval(model.parameters())
     return model
+
+
+def test_a_draft_catches_up_a_chunk_at_a_time(tiny):
+    """A batch asks a draft model to catch up once a step: a long prompt costs a
+    step one chunk of the draft, and its proposals then follow the whole prompt."""
+    tokens = [t % VOCAB for t in range(20)]
+    proposer = DraftProposer(tiny, prefill_step_size=8)
+    assert [proposer.catch_up(tokens) for _ in range(3)] == [False, False, True]
+    caught = proposer.propose(tokens, 3)
+    assert caught == DraftProposer(tiny, prefill_step_size=64).propose(tokens, 3)
+    # Accepted proposals count as seen; a new token is then all there is to feed.
+    proposer.rewind(2, 3)
+    assert proposer.catch_up(tokens + caught[:2] + [7])
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
