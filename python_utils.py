@@ -38,6 +38,10 @@ class LoadOptions:
     # model's KV dtype, as mlx-lm keeps it), "float32" or "float16" (half the
     # bytes that attention reads at depth; llama.cpp's default KV type).
     kv_dtype: str = "auto"
+    # The float KV type CacheTypeKey/Value name ("float16" for f16, "float32" for
+    # f32): the paged decoder's pages take it where kv_dtype is auto; the batch
+    # decoder keeps the model's KV type.
+    cache_float: str | None = None
     # Continuous batching: sequences decoded together, and prompts prefilled together.
     max_batch_size: int = 32
     prefill_batch_size: int = 8
@@ -239,7 +243,8 @@ KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_DTYPES = ("auto", "float32", "float16")
 KV_GROUP_SIZES = (32, 64, 128)
 # llama.cpp's cache type names, as LocalAI sends them in CacheTypeKey and
-# CacheTypeValue, as MLX (bits, group size); None keeps full precision.
+# CacheTypeValue, as MLX (bits, group size); None keeps full precision, in the
+# float type CACHE_FLOATS names where pages can store it.
 CACHE_TYPES = {
     "f32": None,
     "f16": None,
@@ -251,6 +256,7 @@ CACHE_TYPES = {
     "q4_1": (4, 32),
     "iq4_nl": (4, 32),
 }
+CACHE_FLOATS = {"f32": "float32", "f16": "float16"}
 
 
 def check_kv_quantization(options: LoadOptions) -> None:
@@ -302,7 +308,7 @@ def apply_cache_types(options: LoadOptions, key: str, value: str) -> LoadOptions
             finest[2],
         )
     if finest[0] is None:
-        return options
+        return dataclasses.replace(options, cache_float=CACHE_FLOATS.get(finest[2]))
     bits, group_size = finest[0]
     updated = dataclasses.replace(
         options, kv_bits=bits, kv_group_size=options.kv_group_size or group_size

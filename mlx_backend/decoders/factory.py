@@ -66,6 +66,14 @@ def make_plain_decoder(
     if paged.shapes:
         return PagedDecoder(model, options, list(paged.shapes), budget)
     refuse_kv_dtype(options, paged.why_not)
+    if options.cache_float:
+        # llama.cpp's KV types are its choice of precision, not a demand.
+        logger.info(
+            "KV type %s (CacheTypeKey/Value) is for pages: %s, so the KV keeps "
+            "the model's type",
+            options.cache_float,
+            paged.why_not,
+        )
     trimmable = can_trim_prompt_cache(make_kv_cache(model, options))
     why = unbatchable_reason(model, options)
     if why:

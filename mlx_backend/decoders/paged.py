@@ -633,7 +633,9 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
         model(tokens[None, n - 1 :], cache=cache)[0, -1],
     ]
     mx.eval(want, [c.state for c in cache])
-    page_dtype = None if options.kv_dtype == "auto" else getattr(mx, options.kv_dtype)
+    # kv_dtype, else the float type CacheTypeKey/Value name, else the model's.
+    wanted = options.kv_dtype if options.kv_dtype != "auto" else options.cache_float
+    page_dtype = getattr(mx, wanted) if wanted else None
     shapes = [
         LayerShape(
             c.keys.shape[1],

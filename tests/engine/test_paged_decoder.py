@@ -10,6 +10,7 @@ reset after a failed step are never served."""
 import gc
 import math
 import random
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -28,7 +29,7 @@ from mlx_backend.engine.prompt_store import PromptCounts, PromptStore, make_prom
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_utils import make_kv_cache
-from python_utils import parse_options
+from python_utils import apply_cache_types, parse_options
 from tests.family_models import FAMILIES
 from tests.support import EagerLookup, device_tolerance, near_tie
 from tests.tiny_models import FLAT
@@ -378,3 +379,14 @@ def test_kv_dtype_without_the_paged_pass_is_refused(llama):
     options = parse_options(["kv_dtype:float16", "paged:false"])
     with pytest.raises(InvalidArgument, match="kv_dtype.*paged is off"):
         make_plain_decoder(llama, options)
+
+
+def test_cache_type_f16_stores_float16_pages_and_nothing_else_refuses(llama):
+    """LocalAI's CacheTypeKey/Value f16 (llama.cpp's KV type) types the pages;
+    where the batch decoder serves, the KV keeps the model's type, and the load
+    goes on (kv_dtype, the option, is refused there)."""
+    options = apply_cache_types(parse_options(["prefill_step_size:256"]), "f16", "f16")
+    assert {s.stored for s in paged_layers(llama, options)} == {mx.float16}
+    batch = make_plain_decoder(llama, replace(options, paged=False))
+    assert isinstance(batch, BatchDecoder)
+    batch.close()

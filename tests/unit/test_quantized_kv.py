@@ -118,6 +118,11 @@ def test_cache_types_map_to_mlx_quantization():
     assert apply_cache_types(base, "q4_0", "q8_0").kv_bits == 8
     assert apply_cache_types(base, "q8_0", "f16").kv_bits is None
     assert apply_cache_types(base, "f16", "").kv_bits is None
+    # Float types are for the paged decoder's pages (bfloat16 pages don't exist).
+    assert apply_cache_types(base, "f16", "f16").cache_float == "float16"
+    assert apply_cache_types(base, "f32", "").cache_float == "float32"
+    assert apply_cache_types(base, "bf16", "").cache_float is None
+    assert apply_cache_types(base, "q8_0", "q8_0").cache_float is None
     # The option sets it directly, and wins.
     direct = parse_options(["kv_bits:4", "kv_group_size:64"])
     assert apply_cache_types(direct, "q8_0", "q8_0") == direct
