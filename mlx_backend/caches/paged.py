@@ -395,6 +395,14 @@ class TokenPositions:
 
 
 @dataclass(frozen=True)
+class PagedWindow:
+    """A sliding-window layer's mask in a paged pass: each token sees the last
+    ``size`` keys of its sequence, itself included."""
+
+    size: int
+
+
+@dataclass(frozen=True)
 class PagedKeys:
     """What a ``PagedLayer`` hands attention for its keys or values: the layer's
     arenas (written this step) and the step's layout."""
@@ -407,7 +415,8 @@ class PagedKeys:
 class PagedLayer:
     """One layer's cache in a forward pass over pages: mlx-lm's attention calls
     ``offset``, ``update_and_fetch`` and (through ``create_attention_mask``)
-    ``make_mask``; attention per sequence is causal by itself."""
+    ``make_mask``; attention per sequence is causal by itself, and a sliding
+    window's mask says how far back it sees."""
 
     def __init__(self, kv: PagedKV, layer: int, layout: StepLayout):
         self._kv, self._layer, self._layout = kv, layer, layout
@@ -419,6 +428,4 @@ class PagedLayer:
         return view, view
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        if window_size is not None:
-            raise NotImplementedError("sliding windows do not run on pages yet")
-        return None
+        return PagedWindow(window_size) if window_size else None

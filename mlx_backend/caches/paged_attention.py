@@ -15,7 +15,7 @@ directly; elsewhere each sequence's pages are gathered and the inner
 
 import mlx.core as mx
 
-from mlx_backend.caches.paged import PagedKeys, TokenPositions
+from mlx_backend.caches.paged import PagedKeys, PagedWindow, TokenPositions
 from mlx_backend.cpu.kernels import fast_ops
 
 _inner: dict = {}
@@ -55,6 +55,8 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
         return _inner["scaled_dot_product_attention"](
             q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs
         )
+    # A sliding-window layer's mask says how far back its tokens see.
+    window = mask.size if isinstance(mask, PagedWindow) else 0
     kernels = fast_ops.routed_kernels()
     # The kernel reads float32 and float16 arenas as they are; bfloat16 ones would
     # be converted whole, every layer, and half-precision queries want their
@@ -74,24 +76,33 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
             layout.tables,
             scale=scale,
             arena_pages=k.kv.arena_pages,
+            window=window,
             sinks=sinks,
         )
-    return gathered_attention(q, k, scale, sinks, stream)
+    return gathered_attention(q, k, scale, sinks, stream, window)
 
 
-def gathered_attention(q, k: PagedKeys, scale, sinks=None, stream=None) -> mx.array:
-    """Attention per sequence over its gathered pages (the portable path)."""
+def gathered_attention(
+    q, k: PagedKeys, scale, sinks=None, stream=None, window: int = 0
+) -> mx.array:
+    """Attention per sequence over its gathered pages (the portable path), each
+    token over the last ``window`` keys only where that is set."""
     inner = _inner["scaled_dot_product_attention"]
     outputs = []
     for s in k.layout.segments:
         keys, values = k.kv.read(k.layer, s.pages, s.context)
+        mask = "causal" if s.tokens > 1 else None
+        if window and s.context > window:
+            at = mx.arange(s.context - s.tokens, s.context)[:, None]
+            seen = mx.arange(s.context)[None]
+            mask = (seen <= at) & (seen > at - window)
         outputs.append(
             inner(
                 q[:, :, s.start : s.start + s.tokens, :],
                 keys.astype(q.dtype),
                 values.astype(q.dtype),
                 scale=scale,
-                mask="causal" if s.tokens > 1 else None,
+                mask=mask,
                 sinks=sinks,
                 stream=stream,
             )

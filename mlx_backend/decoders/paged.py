@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, TokenBuffer
+from mlx_lm.models.cache import KVCache, RotatingKVCache, TokenBuffer
 
 from mlx_backend.caches.paged import (
     LayerShape,
@@ -182,6 +182,12 @@ class PagedDecoder(Decoder):
         key = self._next_key
         self._next_key += 1
         reused = len(sequence.prompt) - len(sequence.rest)
+        rest = sequence.rest
+        if reused and went_round(sequence.kv_cache):
+            # A window's state past its window (a file the batch decoder wrote)
+            # holds its last tokens out of order: the prompt is prefilled whole.
+            logger.info("a sliding window's cached state went round: prefilled")
+            reused, rest = 0, sequence.prompt
         row = _Row(
             key,
             sequence.sampler,
@@ -189,7 +195,7 @@ class PagedDecoder(Decoder):
             sequence.logprobs,
             sequence.max_tokens,
             sequence.cancelled,
-            prompt=list(sequence.rest),
+            prompt=list(rest),
             snapshots=sorted(n for n in set(sequence.snapshots) if n > reused),
         )
         if row.processors:
@@ -610,6 +616,15 @@ class PagedDecoder(Decoder):
             row.draft.back_off(row.sampled)
 
 
+def went_round(cache: list) -> bool:
+    """Whether a rotating layer of an mlx-lm ``cache`` lacks its first tokens in
+    order: its ring wrapped, or it dropped the oldest (a prefill that fits in
+    one pass keeps them all)."""
+    return any(
+        isinstance(c, RotatingKVCache) and c.offset > c.keys.shape[2] for c in cache
+    )
+
+
 # A probe's prompt: a chunk that splits, then a decode token.
 PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 7)
 
@@ -622,8 +637,19 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
     """Each attention layer's KV rows, once a probe found that a pass over pages
     gives mlx-lm's logits (a prompt chunk, then a decode token); raises
     ``NotPaged`` with the reason otherwise."""
+    if options.max_kv_size is not None:
+        raise NotPaged("max_kv_size keeps only a sequence's last tokens")
     cache = make_kv_cache(model, options)
-    others = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    # A model's sliding windows (rotating layers that keep no first tokens) run
+    # on pages, the window as attention's mask (make_mask).
+    others = sorted(
+        {
+            type(c).__name__
+            for c in cache
+            if type(c) is not KVCache
+            and not (type(c) is RotatingKVCache and c.keep == 0)
+        }
+    )
     if others:
         raise NotPaged(f"its KV cache has {', '.join(others)} layers")
     tokens = mx.array(PROBE_TOKENS, dtype=mx.uint32)

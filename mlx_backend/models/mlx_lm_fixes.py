@@ -84,7 +84,9 @@ def scaled_dot_product_attention(
     """mlx-lm's attention, which also takes quantized keys and values with
     attention sinks (gpt-oss) or without their cache (Gemma 4's layers that share
     another layer's keys and values): the packing gives the bits and groups."""
-    if isinstance(keys, mx.array):
+    if not isinstance(keys, (tuple, list)):
+        # Arrays, or a paged pass's keys (caches/paged.py); quantized ones come
+        # as (packed, scales, biases).
         return base.scaled_dot_product_attention(
             queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
         )

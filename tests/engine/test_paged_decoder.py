@@ -35,7 +35,7 @@ from tests.support import EagerLookup, device_tolerance, near_tie
 from tests.tiny_models import FLAT
 
 # The families whose caches and attention run on pages; the rest say why not.
-PAGED = {"llama", "qwen3", "phi3"}
+PAGED = {"llama", "qwen3", "phi3", "gemma3_text", "gpt_oss"}
 OPTIONS = parse_options(["prefill_step_size:256"])
 # Prompt tokens a step carries beside decode rows: chunks of 13 less the rows,
 # which split pages at varied offsets.
@@ -390,3 +390,20 @@ def test_cache_type_f16_stores_float16_pages_and_nothing_else_refuses(llama):
     batch = make_plain_decoder(llama, replace(options, paged=False))
     assert isinstance(batch, BatchDecoder)
     batch.close()
+
+
+def test_a_window_state_that_went_round_is_prefilled_again(family_folder):
+    """A sliding-window layer's state past its window (a file the batch decoder
+    wrote) keeps its last tokens out of order: the paged decoder prefills the
+    prompt whole rather than load it, and decodes as mlx-lm alone."""
+    model, _ = load_mlx_lm(str(family_folder("gemma3_text")))
+    prompt = prompt_of(40, 30)
+    cache = make_kv_cache(model, OPTIONS)
+    # One token at a time past the window: the ring's writes wrap around.
+    mx.eval(model(mx.array(prompt[:8])[None], cache=cache))
+    for token in prompt[8:-1]:
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    decoder = PagedDecoder(model, OPTIONS, paged_layers(model, OPTIONS))
+    key = decoder.add(sequence(model, prompt, 8, cache=cache, rest=prompt[-1:]))
+    tokens, scores, _ = run_until_done(decoder, {key: "again"})["again"]
+    assert_as_reference(tokens, scores, reference(model, prompt, 8))

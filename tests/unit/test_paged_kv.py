@@ -199,9 +199,10 @@ def isa(qmm, request):
     qmm.set_fused_isa("auto")
 
 
-def kernel_error(qmm, q, kv: PagedKV, layout, sink) -> float:
+def kernel_error(qmm, q, kv: PagedKV, layout, sink, window: int = 0) -> float:
     """The kernel's largest difference from attention over gathered pages."""
-    expected = gathered_attention(q, PagedKeys(kv, 0, layout), 0.25, sink)
+    keys = PagedKeys(kv, 0, layout)
+    expected = gathered_attention(q, keys, 0.25, sink, window=window)
     got = qmm.paged_attention(
         q,
         kv.keys[0],
@@ -210,6 +211,7 @@ def kernel_error(qmm, q, kv: PagedKV, layout, sink) -> float:
         layout.tables,
         scale=0.25,
         arena_pages=kv.arena_pages,
+        window=window,
         sinks=sink,
     )
     assert got.shape == expected.shape
@@ -220,7 +222,9 @@ def kernel_error(qmm, q, kv: PagedKV, layout, sink) -> float:
 # own keys), three (a decode row's three heads together), four (in pairs).
 @pytest.mark.parametrize("heads", [2, 6, 8])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
+# A sliding window of 13 keys starts inside a block, and in another page.
+@pytest.mark.parametrize("window", [0, 13])
+def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks, window):
     install_paged_ops()
     # Pages in three arenas, a sequence's table across them.
     kv = PagedKV([SHAPE], arena_pages=4)
@@ -231,15 +235,19 @@ def test_the_kernel_attends_as_gathered_pages_do(qmm, isa, heads, sinks):
     # Queries as mlx-lm hands them over: a transposed view.
     q = q.swapaxes(1, 2).reshape(1, layout.tokens, heads, 16).swapaxes(1, 2)
     sink = mx.random.normal((heads,), key=mx.random.key(2)) if sinks else None
-    assert kernel_error(qmm, q, kv, layout, sink) < 2e-6
+    assert kernel_error(qmm, q, kv, layout, sink, window) < 2e-6
 
 
 @pytest.mark.parametrize("heads", [6, 8])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, heads, sinks, dtype):
+@pytest.mark.parametrize("window", [0, 100])
+def test_deep_sequences_attend_as_gathered_pages_do(
+    qmm, isa, heads, sinks, dtype, window
+):
     """Decode rows and chunks thousands of keys deep, their tables shuffled across
-    arenas, in float32 pages and in float16 ones (widened a block at a time)."""
+    arenas, in float32 pages and in float16 ones (widened a block at a time), with
+    and without a sliding window (whose blocks before it are not read)."""
     install_paged_ops()
     kv = PagedKV([LayerShape(2, 16, 16, dtype)], arena_pages=64)
     order = kv.allocate(256)
@@ -258,7 +266,7 @@ def test_deep_sequences_attend_as_gathered_pages_do(qmm, isa, heads, sinks, dtyp
     layout = kv.layout(segments)
     q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(5))
     sink = mx.random.normal((heads,), key=mx.random.key(6)) if sinks else None
-    assert kernel_error(qmm, q, kv, layout, sink) < 1e-5
+    assert kernel_error(qmm, q, kv, layout, sink, window) < 1e-5
 
 
 def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):

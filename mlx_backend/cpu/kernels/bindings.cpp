@@ -122,6 +122,7 @@ NB_MODULE(_qmm, m) {
       nb::kw_only(),
       "scale"_a,
       "arena_pages"_a,
+      "window"_a = 0,
       "sinks"_a = nb::none(),
       "stream"_a = nb::none(),
       "Attention of flattened sequences over paged keys and values in arenas, one node.");

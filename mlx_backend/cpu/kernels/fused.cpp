@@ -624,6 +624,7 @@ void CpuAttention::eval_cpu(
       row.dims = D;
       row.value_dims = Dv;
       row.keys = causal ? std::clamp(S - L + l + 1, 0, S) : S;
+      row.first_key = 0;
       row.pages = nullptr;
       row.half = false;
       row.keep = nullptr;
@@ -694,6 +695,7 @@ mx::array paged_attention(
     const mx::array& tables,
     float scale,
     int arena_pages,
+    int window,
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s_) {
   const char* op = "paged_attention";
@@ -752,7 +754,7 @@ mx::array paged_attention(
       {1, heads, queries.shape(2), values[0].shape(2)},
       mx::float32,
       std::make_shared<CpuPagedAttention>(
-          s, scale, int(keys.size()), arena_pages, sinks.has_value()),
+          s, scale, int(keys.size()), arena_pages, window, sinks.has_value()),
       std::move(inputs));
   return as(y, out_type, s);
 }
@@ -763,6 +765,7 @@ void CpuPagedAttention::eval_cpu(
   dispatch_task(stream(), inputs, out, [scale = scale_,
                                         arenas = arenas_,
                                         arena_pages = arena_pages_,
+                                        window = window_,
                                         has_sinks = has_sinks_](
                                            std::vector<mx::array>& in,
                                            mx::array& out) {
@@ -846,6 +849,7 @@ void CpuPagedAttention::eval_cpu(
           row.dims = D;
           row.value_dims = Dv;
           row.keys = context - n + l + 1;
+          row.first_key = window > 0 ? std::max(0, row.keys - window) : 0;
           row.keep = nullptr;
           row.bias = nullptr;
           row.mask_stride = 0;
@@ -870,7 +874,8 @@ void CpuPagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool CpuPagedAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const CpuPagedAttention&>(other);
   return scale_ == o.scale_ && arenas_ == o.arenas_ &&
-      arena_pages_ == o.arena_pages_ && has_sinks_ == o.has_sinks_;
+      arena_pages_ == o.arena_pages_ && window_ == o.window_ &&
+      has_sinks_ == o.has_sinks_;
 }
 
 std::vector<mx::Shape> CpuPagedAttention::output_shapes(

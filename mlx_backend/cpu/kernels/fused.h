@@ -53,7 +53,8 @@ mx::array attention(
 // * KEYS_BLOCK, kv_heads, dims]; page p is page p % arena_pages of arena p /
 // arena_pages). Each row of `segments` (first token, tokens, context) is one
 // sequence: its queries see its first `context` keys, causal within the segment,
-// through its row of `tables`.
+// through its row of `tables`; with a `window`, each query only the last `window`
+// of those (itself included), as a sliding-window layer does.
 mx::array paged_attention(
     const mx::array& queries,
     const std::vector<mx::array>& keys,
@@ -62,6 +63,7 @@ mx::array paged_attention(
     const mx::array& tables,
     float scale,
     int arena_pages,
+    int window,
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s = {});
 
@@ -197,11 +199,13 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
       float scale,
       int arenas,
       int arena_pages,
+      int window,
       bool has_sinks)
       : mx::UnaryPrimitive(stream),
         scale_(scale),
         arenas_(arenas),
         arena_pages_(arena_pages),
+        window_(window),
         has_sinks_(has_sinks) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -217,6 +221,7 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
   float scale_;
   int arenas_;
   int arena_pages_;
+  int window_;
   bool has_sinks_;
 };
 

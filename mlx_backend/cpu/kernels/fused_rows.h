@@ -30,6 +30,7 @@ struct AttentionRow {
   int dims;
   int value_dims;
   int keys; // the keys it may see: 0 .. keys - 1
+  int first_key; // of those, the first (a sliding window's start; else 0)
   // At most one mask: entry j at mask + j * mask_stride.
   const bool* keep;
   const float* bias;

@@ -360,7 +360,7 @@ inline float online_softmax(
   constexpr float masked = std::numeric_limits<float>::lowest();
   constexpr float excluded = -std::numeric_limits<float>::infinity();
   for (int j = 0; j < KEYS_BLOCK; j++) {
-    s[j] = j < seen ? s[j] * row.scale : excluded;
+    s[j] = j < seen && j0 + j >= row.first_key ? s[j] * row.scale : excluded;
   }
   for (int j = 0; j < seen && row.keep != nullptr; j++) {
     s[j] = row.keep[(j0 + j) * row.mask_stride] ? s[j] : masked;
@@ -417,14 +417,16 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   float* total = top + count;
   // Keys and values are float32, or (paged) float16: element offsets in bytes.
   int64_t width = first.half ? 2 : 4;
-  int keys = 0;
+  int keys = 0, lowest = std::numeric_limits<int>::max();
   for (int r = 0; r < count; r++) {
     top[r] = rows[r].has_sink ? rows[r].sink : std::numeric_limits<float>::lowest();
     total[r] = 0.0f;
     std::fill(rows[r].out, rows[r].out + value_dims, 0.0f);
     keys = std::max(keys, rows[r].keys);
+    lowest = std::min(lowest, rows[r].first_key);
   }
-  for (int j0 = 0; j0 < keys; j0 += KEYS_BLOCK) {
+  // Blocks before every row's window are not read.
+  for (int j0 = lowest / KEYS_BLOCK * KEYS_BLOCK; j0 < keys; j0 += KEYS_BLOCK) {
     int n = std::min(KEYS_BLOCK, keys - j0);
     const char* k;
     const char* v;
@@ -474,15 +476,19 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
     }
     // Rows in pairs where both see keys of this block, the last three together
     // (one row alone keeps half the FMA units idle), else alone.
+    // The keys of this block a row sees: none where its window starts later.
+    auto sees = [&](const AttentionRow& row) {
+      return row.first_key < j0 + n ? std::min(n, row.keys - j0) : 0;
+    };
     for (int r = 0; r < count;) {
-      int seen[3] = {std::min(n, rows[r].keys - j0), 0, 0};
+      int seen[3] = {sees(rows[r]), 0, 0};
       if (seen[0] <= 0) {
         r++;
         continue;
       }
       int want = count - r == 3 ? 3 : 2, group = 1;
       for (; group < want && r + group < count; group++) {
-        seen[group] = std::min(n, rows[r + group].keys - j0);
+        seen[group] = sees(rows[r + group]);
         if (seen[group] <= 0) {
           break;
         }
