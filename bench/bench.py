@@ -3,8 +3,9 @@
 
 1. Server overhead (bench/overhead.py): gRPC PredictStream against mlx-lm's own
    stream_generate on the same compute path, greedy, with EOS banned so every run
-   decodes the same number of tokens, on servers with CPU pacing auto, on and off
-   (speculation off, as in stream_generate); with logprobs
+   decodes the same number of tokens, on the default server (the paged decoder on
+   the CPU) and the batch decoder's with CPU pacing on and off (speculation off, as
+   in stream_generate); with logprobs
    (top 5 alternatives) and under a JSON-schema grammar; Health latency while a
    long generation streams; and where each millisecond per token goes
    (bench/profile.py); pacing on and off only on the CPU. The header names the
@@ -282,14 +283,20 @@ def main(argv: list[str] | None = None) -> None:
         header = machine_header(fast.Status(pb.HealthMessage()).memory.breakdown)
         lines += [f"{part}. skipped: {reason}" for part, reason in skipped.items()]
         if 1 in parts:
-            # Part 1's servers, one per pacing mode (pacing is the CPU's); without
-            # speculation, which stream_generate does not do either (part 6).
+            # Part 1's servers: the default decoder (paged on the CPU), and the
+            # batch decoder paced and not (pacing is the CPU's and the batch
+            # decoder's); without speculation, which stream_generate does not do
+            # either (part 6).
             modes = ("auto", "on", "off") if device == "CPU" else ("auto",)
             with ExitStack() as pinned:
                 servers = {
                     mode: pinned.enter_context(
                         running_process(
-                            options=(f"cpu_pacing:{mode}", "speculative:off")
+                            options=(
+                                f"cpu_pacing:{mode}",
+                                "speculative:off",
+                                *(("paged:false",) if mode != "auto" else ()),
+                            )
                         )
                     )
                     for mode in modes

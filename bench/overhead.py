@@ -1,6 +1,7 @@
 """Part 1 of ``make bench``: server overhead. gRPC PredictStream against mlx-lm's
 own stream_generate on the same compute path, greedy, with EOS banned so every run
-decodes the same number of tokens, on servers with CPU pacing auto, on and off;
+decodes the same number of tokens, on the default server (the paged decoder on the
+CPU) and the batch decoder's with CPU pacing on and off;
 with logprobs and under a JSON-schema grammar; Health latency while a long
 generation streams; and where each millisecond per token goes (bench/profile.py).
 Each side's rate is compared with the library's run next to it. Parts 2 and 3
@@ -178,8 +179,8 @@ def machine_header(breakdown) -> str:
 
 
 def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[str]]:
-    """Part 1 on servers loaded with cpu_pacing auto, on and off (``servers``; auto
-    alone on a GPU, where pacing is off)."""
+    """Part 1 on the default server and the batch decoder's with cpu_pacing on and
+    off (``servers``: "auto", "on", "off"; the default alone on a GPU)."""
     model, tokenizer, _ = load_gguf(default_model_path())
     model, path = prepare_for_cpu(model, None, None)
     eos = next(iter(tokenizer.eos_token_ids))
@@ -234,12 +235,18 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
     )
     breakdown = auto.Status(pb.HealthMessage()).memory.breakdown
     chosen = "on" if breakdown["cpu_paced"] else "off"
+    paged = "one forward pass per step over paged KV" in servers["auto"].logs()
+    decoder = "paged" if paged else f"batch, pacing auto {chosen}"
     # The last load's pacing line: the figures auto chose by.
     pacing = re.findall(r"CPU pacing \w+ \(auto[^)]*\)", servers["auto"].logs())
     labels = {
         "mlx_lm": "mlx-lm stream_generate",
-        "auto": f"gRPC, pacing auto ({chosen})",
-        **{mode: f"gRPC, pacing {mode}" for mode in ("on", "off") if mode in servers},
+        "auto": f"gRPC, default ({decoder})",
+        **{
+            mode: f"gRPC, batch, pacing {mode}"
+            for mode in ("on", "off")
+            if mode in servers
+        },
         "logprobs": f"  auto + logprobs, top {TOP_LOGPROBS}",
         "grammar": "  auto + JSON-schema grammar",
         "noise": "mlx-lm again (noise)",

@@ -127,7 +127,8 @@ def make_decoder(
     if why:
         logger.info("speculative decoding is off: %s", why)
         return inner
-    rollback = kinds != {"growing"}
+    # Pages take back any layer's rejected tokens: a window's too.
+    rollback = kinds != {"growing"} and not isinstance(inner, PagedDecoder)
     if draft is not None and {layer_kind(c) for c in make_prompt_cache(draft)} != {
         "growing"
     }:

@@ -58,6 +58,12 @@ def mode(request):
     return request.param
 
 
+# Behaviour that doesn't depend on which decoder verifies (the engine cuts the
+# tokens; the batch decoder's own moves), or that pages cover in
+# tests/engine/test_paged_decoder.py: on the batch decoder alone, for the suite's time.
+BATCH_ONLY = pytest.mark.parametrize("mode", ["batch"], indirect=True)
+
+
 @pytest.fixture(scope="module")
 def plain(mode):
     engine = load_engine("speculative:off", *MODES[mode])
@@ -154,7 +160,16 @@ def trace(engine, text: str, max_tokens: int = 64) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    "text", [REPEAT, POEM, QUESTION], ids=["copy", "poem", "answer"]
+    "mode, text",
+    [
+        ("batch", REPEAT),
+        ("batch", POEM),
+        ("batch", QUESTION),
+        ("paged", REPEAT),
+        ("paged", QUESTION),
+    ],
+    ids=["batch-copy", "batch-poem", "batch-answer", "paged-copy", "paged-answer"],
+    indirect=["mode"],
 )
 def test_greedy_output_is_plain_decoding(plain, speculative, text):
     before = proposals(speculative)
@@ -187,6 +202,7 @@ def test_a_lone_sequence_leaves_once_its_guesses_hold(speculative, mode):
     assert [len(tokens) for tokens in steps[: len(first)]] == first
 
 
+@BATCH_ONLY
 def test_cuts_inside_an_accepted_run(plain, speculative):
     steps = trace(speculative, REPEAT)
     tokenizer = speculative.info.tokenizer
@@ -231,6 +247,7 @@ def test_seeded_sampling_draws_what_plain_decoding_draws(plain, speculative):
     assert proposals(speculative)[1] > before[1]
 
 
+@BATCH_ONLY
 def test_a_batch_decodes_as_plain_batching(plain, speculative):
     expected, actual = both(plain, speculative, REPEAT, POEM, QUESTION)
     for want, got in zip(expected, actual):
@@ -249,6 +266,7 @@ def test_rows_of_a_batch_speculate_on_pages(speculative, mode):
         assert not verified
 
 
+@BATCH_ONLY
 def test_a_lone_sequence_joins_the_batch_and_leaves_again(plain, speculative):
     before = proposals(speculative)
 
@@ -338,6 +356,7 @@ def test_the_model_as_its_own_draft_accepts_everything(
         engine.shutdown()
 
 
+@BATCH_ONLY
 def test_a_random_draft_is_mostly_rejected_and_changes_nothing(
     short_plain, short_default, tmp_path, mode
 ):

@@ -143,7 +143,7 @@ def test_speculative_sampling_keeps_the_model_distribution(tiny, paged):
     # Every token occurs in the prompt: whatever comes first, a proposal follows.
     prompt = tuple(range(VOCAB)) + (3, 4, 5)
     decoder = speculating(tiny, paged)
-    draws = 1200
+    draws = 800
     counts: Counter = Counter()
     for seed in range(draws):
         key = decoder.add(
