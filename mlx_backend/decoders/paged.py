@@ -101,6 +101,13 @@ class _Row:
     def held(self) -> int:
         return len(self.tokens)
 
+    def draft_room(self, unread: int = 0) -> int:
+        """Proposals its next pass may verify within its token limit, ``unread``
+        of its sampled tokens not yet returned."""
+        return max(
+            min(self.draft_tokens, self.max_tokens - self.returned - unread - 1), 0
+        )
+
 
 @dataclass(frozen=True)
 class _Queued:
@@ -123,11 +130,17 @@ class _Queued:
 
     def starts(self) -> list[int]:
         """Each row's first position among the sampled tokens."""
-        starts, at = [], 0
-        for draft in self.drafts:
-            starts.append(at)
-            at += 1 + len(draft)
-        return starts
+        return [first for first, _ in spans(self.drafts)]
+
+
+def spans(drafts) -> list[tuple[int, int]]:
+    """Each sampling row's (first position, positions) among a step's sampled
+    tokens: its input's, then one per proposal it verifies."""
+    out, at = [], 0
+    for draft in drafts:
+        out.append((at, 1 + len(draft)))
+        at += 1 + len(draft)
+    return out
 
 
 class PagedDecoder(Decoder):
@@ -401,8 +414,8 @@ class PagedDecoder(Decoder):
         step)."""
         if row.draft is None or row.returned < row.draft.backoff_until:
             return 0
-        limit = min(row.draft_tokens, row.max_tokens - row.returned - unread - 1)
-        if limit < 1 or not row.draft.proposer.catch_up(row.tokens):
+        limit = row.draft_room(unread)
+        if not limit or not row.draft.proposer.catch_up(row.tokens):
             return 0
         return limit
 
@@ -469,13 +482,12 @@ class PagedDecoder(Decoder):
         at its input and at each proposal; ``starts``: the decoding rows' inputs
         on the step's axis): the sampled tokens, log probabilities, and the
         processors' contexts (to evaluate)."""
-        contexts, spans, at = [], [], 0
-        for draft in drafts:
-            spans.append((at, 1 + len(draft)))
-            at += 1 + len(draft)
+        contexts, positions = [], spans(drafts)
         if any(r.processors for r in rows):
             processed = []
-            for i, (row, draft, (first, count)) in enumerate(zip(rows, drafts, spans)):
+            for i, (row, draft, (first, count)) in enumerate(
+                zip(rows, drafts, positions)
+            ):
                 if not row.processors:
                     processed.append(logits[first : first + count])
                     continue
@@ -498,7 +510,7 @@ class PagedDecoder(Decoder):
             logits = mx.concatenate(processed, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = mx.concatenate(
-            [row.sampler(logprobs[f : f + n]) for row, (f, n) in zip(rows, spans)]
+            [row.sampler(logprobs[f : f + n]) for row, (f, n) in zip(rows, positions)]
         )
         return sampled, logprobs, contexts
 
@@ -607,7 +619,8 @@ class PagedDecoder(Decoder):
         elif not proposer.cheap and not any(
             plan_drafts(
                 [row.draft.acceptance],
-                [max(min(row.draft_tokens, row.max_tokens - row.sampled - 1), 0)],
+                # Its returned count takes this pass's tokens after this.
+                [row.draft_room(unread=kept + 1)],
                 self.costs,
                 self.per_proposal,
             )

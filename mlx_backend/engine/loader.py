@@ -29,7 +29,6 @@ from mlx_backend.decoders.factory import (
     choose_paged,
     make_decoder,
     make_plain_decoder,
-    refuse_kv_dtype,
 )
 from mlx_backend.decoders.measured import measured_once
 from mlx_backend.decoders.step_budget import (
@@ -181,10 +180,10 @@ def prepare(
     if lockstep is None:
         paged = choose_paged(model, options)
     else:
-        refuse_kv_dtype(options, "the paged pass does not run over a group yet")
-        if options.paged:
-            logger.info("the paged pass is off: it does not run over a group yet")
+        # The decoder refuses kv_dtype with this reason.
         paged = PagedChoice(why_not="the paged pass does not run over a group yet")
+        if options.paged:
+            logger.info("%s", paged.why_not)
     if paged.shapes and mx.default_device() == mx.cpu:
         # Its steps already overlap the host: cpu_pacing is the batch decoder's.
         pacing = Pacing(False, "the paged pass queues a step before reading the last")
