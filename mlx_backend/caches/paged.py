@@ -29,6 +29,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from mlx_backend.caches.quantized_kv import QuantizedKVCache
+
 # Tokens a page holds: the CPU attention kernel's key block, so that a block of
 # keys never straddles two pages.
 PAGE_TOKENS = 32
@@ -41,17 +43,37 @@ MIN_ARENA_PAGES = 8
 @dataclass(frozen=True)
 class LayerShape:
     """One attention layer's KV rows: heads, key and value dims, the model's KV
-    dtype, and the dtype its pages store them in (None: the model's)."""
+    dtype, and the dtype its pages store them in (None: the model's), or
+    (``bits``) MLX's affine quantization in groups of ``group_size`` dims."""
 
     kv_heads: int
     key_dims: int
     value_dims: int
     dtype: mx.Dtype
     page_dtype: mx.Dtype | None = None
+    bits: int | None = None
+    group_size: int = 64
 
     @property
     def stored(self) -> mx.Dtype:
         return self.page_dtype or self.dtype
+
+    @property
+    def planes(self) -> tuple[tuple[int, mx.Dtype], ...]:
+        """Each array a page keeps per token and head, as (width, dtype): keys'
+        then values'. Quantized: codes packed in words (as ``mx.quantize`` packs
+        them), then float32 scales and biases, for keys and for values."""
+        if self.bits is None:
+            return ((self.key_dims, self.stored), (self.value_dims, self.stored))
+        return tuple(
+            plane
+            for dims in (self.key_dims, self.value_dims)
+            for plane in (
+                (dims * self.bits // 32, mx.uint32),
+                (dims // self.group_size, mx.float32),
+                (dims // self.group_size, mx.float32),
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -145,9 +167,14 @@ class PagedKV:
         self.arena_pages = arena_pages or max(
             MIN_ARENA_PAGES, ARENA_BYTES // self.page_nbytes
         )
-        # Per layer, its arenas of keys and of values.
-        self.keys: list[list[mx.array]] = [[] for _ in self.shapes]
-        self.values: list[list[mx.array]] = [[] for _ in self.shapes]
+        # Per layer, per plane (LayerShape.planes), its arenas.
+        self.planes: list[list[list[mx.array]]] = [
+            [[] for _ in s.planes] for s in self.shapes
+        ]
+        # Per layer, the arenas of its keys and of its values (the codes where
+        # quantized): the planes' own lists.
+        self.keys = [p[0] for p in self.planes]
+        self.values = [p[len(p) // 2] for p in self.planes]
         self._refs: list[int] = []
         self._free: list[int] = []
         # Pages that dropped kept states let go, from whichever thread dropped them
@@ -215,8 +242,21 @@ class PagedKV:
     def write(
         self, layer: int, writes: Sequence[Write], keys: mx.array, values: mx.array
     ):
-        """Keys and values ``[1, heads, tokens, dims]`` into their rows."""
-        for arenas, new in ((self.keys[layer], keys), (self.values[layer], values)):
+        """Keys and values ``[1, heads, tokens, dims]`` into their rows (quantized
+        where the layer's pages are)."""
+        shape = self.shapes[layer]
+        if shape.bits is not None:
+            keys, values = (
+                _quantize(x, shape.group_size, shape.bits) for x in (keys, values)
+            )
+            self._write_planes(layer, writes, (*keys, *values))
+        else:
+            self._write_planes(layer, writes, (keys, values))
+
+    def _write_planes(
+        self, layer: int, writes: Sequence[Write], parts: Sequence[mx.array]
+    ):
+        for arenas, new in zip(self.planes[layer], parts):
             # A view (new[0] would be a gather, a copy).
             rows = new.squeeze(0).swapaxes(0, 1)
             for w in writes:
@@ -224,11 +264,26 @@ class PagedKV:
 
     def read(self, layer: int, pages: Sequence[int], length: int):
         """The first ``length`` tokens' keys and values of a table of ``pages``,
-        each ``[1, heads, length, dims]``."""
+        each ``[1, heads, length, dims]``; where the layer is quantized, each the
+        triple of codes, scales and biases that ``mx.quantize`` returns."""
         pages = np.asarray(pages, dtype=np.int32)
-        return tuple(
+        parts = [
             _rows(arenas, pages, self.arena_pages, length)
-            for arenas in (self.keys[layer], self.values[layer])
+            for arenas in self.planes[layer]
+        ]
+        if self.shapes[layer].bits is None:
+            return tuple(parts)
+        return tuple(parts[:3]), tuple(parts[3:])
+
+    def read_float(self, layer: int, pages: Sequence[int], length: int):
+        """``read``'s keys and values, dequantized where the layer is quantized."""
+        shape = self.shapes[layer]
+        keys, values = self.read(layer, pages, length)
+        if shape.bits is None:
+            return keys, values
+        return tuple(
+            mx.dequantize(*x, group_size=shape.group_size, bits=shape.bits)
+            for x in (keys, values)
         )
 
     def prefix(self, pages: Sequence[int], length: int) -> list["PagedPrefix"]:
@@ -267,31 +322,37 @@ class PagedKV:
         at = np.arange(length, dtype=np.int32)
         writes = _writes(_slots(pages, at), self.arena_pages)
         for layer, c in enumerate(cache):
-            self.write(
-                layer,
-                writes,
-                c.keys[..., :length, :],
-                c.values[..., :length, :],
-            )
+            shape = self.shapes[layer]
+            if shape.bits is not None and getattr(c, "bits", None) == shape.bits:
+                # Quantized alike: its codes, scales and biases as they are.
+                parts = [x[..., :length, :] for x in (*c.keys, *c.values)]
+                parts[1:3] = [x.astype(mx.float32) for x in parts[1:3]]
+                parts[4:] = [x.astype(mx.float32) for x in parts[4:]]
+                self._write_planes(layer, writes, parts)
+            else:
+                self.write(
+                    layer, writes, c.keys[..., :length, :], c.values[..., :length, :]
+                )
 
     def _copy_page(self, source: int, target: int) -> None:
         (sa, s), (ta, t) = divmod(source, self.arena_pages), divmod(
             target, self.arena_pages
         )
         s, t = s * PAGE_TOKENS, t * PAGE_TOKENS
-        for arenas in (*self.keys, *self.values):
+        for arenas in self._all_planes():
             arenas[ta][t : t + PAGE_TOKENS] = arenas[sa][s : s + PAGE_TOKENS]
+
+    def _all_planes(self) -> list[list[mx.array]]:
+        return [arenas for planes in self.planes for arenas in planes]
 
     def _grow(self) -> None:
         rows = self.arena_pages * PAGE_TOKENS
-        for layer, s in enumerate(self.shapes):
-            self.keys[layer].append(mx.zeros((rows, s.kv_heads, s.key_dims), s.stored))
-            self.values[layer].append(
-                mx.zeros((rows, s.kv_heads, s.value_dims), s.stored)
-            )
+        for planes, s in zip(self.planes, self.shapes):
+            for arenas, (width, dtype) in zip(planes, s.planes):
+                arenas.append(mx.zeros((rows, s.kv_heads, width), dtype))
         # Filled now, not by the step that first writes it: the memory is taken
         # when the store says so (the first arena at load).
-        mx.eval([arenas[-1] for arenas in (*self.keys, *self.values)])
+        mx.eval([arenas[-1] for arenas in self._all_planes()])
         first, more = len(self._refs), self.arena_pages
         self._refs += [0] * more
         # Lowest pages first out of the list's end.
@@ -300,8 +361,13 @@ class PagedKV:
 
 def layer_page_nbytes(shape: LayerShape) -> int:
     """Bytes of one page of one layer, keys and values."""
-    dims = shape.key_dims + shape.value_dims
-    return PAGE_TOKENS * shape.kv_heads * dims * shape.stored.size
+    row = sum(width * dtype.size for width, dtype in shape.planes)
+    return PAGE_TOKENS * shape.kv_heads * row
+
+
+def _quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, ...]:
+    # Scales and biases in float32 whatever the model's dtype: what the kernel reads.
+    return tuple(mx.quantize(x.astype(mx.float32), group_size=group_size, bits=bits))
 
 
 class PageLease:
@@ -345,12 +411,22 @@ class PagedPrefix:
         return PagedPrefix(self.lease, self.layer, self.offset)
 
     def to_kv_cache(self) -> KVCache:
-        """A copy of its tokens as mlx-lm's cache (a prompt file, a Score job)."""
-        cache = KVCache()
+        """A copy of its tokens as mlx-lm's cache (a prompt file, a Score job):
+        a quantized layer's as the project's ``QuantizedKVCache``."""
+        shape = self.lease.kv.shapes[self.layer]
         pages = self.lease.pages[: pages_for(self.offset)]
         keys, values = self.lease.kv.read(self.layer, pages, self.offset)
-        dtype = self.lease.kv.shapes[self.layer].dtype
-        cache.state = (keys.astype(dtype), values.astype(dtype), self.offset)
+        if shape.bits is None:
+            cache = KVCache()
+            dtype = shape.dtype
+            cache.state = (keys.astype(dtype), values.astype(dtype), self.offset)
+            return cache
+        cache = QuantizedKVCache(group_size=shape.group_size, bits=shape.bits)
+        cache.keys, cache.values = (
+            (x[0], *(part.astype(shape.dtype) for part in x[1:]))
+            for x in (keys, values)
+        )
+        cache.offset = self.offset
         return cache
 
 

@@ -15,7 +15,7 @@ directly; elsewhere each sequence's pages are gathered and the inner
 
 import mlx.core as mx
 
-from mlx_backend.caches.paged import PagedKeys, PagedWindow, TokenPositions
+from mlx_backend.caches.paged import PagedKeys, PagedKV, PagedWindow, TokenPositions
 from mlx_backend.cpu.kernels import fast_ops
 
 _inner: dict = {}
@@ -58,14 +58,15 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
     # A sliding-window layer's mask says how far back its tokens see.
     window = mask.size if isinstance(mask, PagedWindow) else 0
     kernels = fast_ops.routed_kernels()
-    # The kernel reads float32 and float16 arenas as they are; bfloat16 ones would
-    # be converted whole, every layer, and half-precision queries want their
-    # model's own attention: gathered pages cost less.
+    shape = k.kv.shapes[k.layer]
+    # The kernel reads float32, float16 and quantized arenas as they are;
+    # bfloat16 ones would be converted whole, every layer, and half-precision
+    # queries want their model's own attention: gathered pages cost less.
     if (
         kernels is not None
         and stream is None
         and q.dtype == mx.float32
-        and k.kv.shapes[k.layer].stored in (mx.float32, mx.float16)
+        and (shape.bits is not None or shape.stored in (mx.float32, mx.float16))
     ):
         layout = k.layout
         return kernels.paged_attention(
@@ -78,8 +79,25 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
             arena_pages=k.kv.arena_pages,
             window=window,
             sinks=sinks,
+            **quantized_arenas(k.kv, k.layer),
         )
     return gathered_attention(q, k, scale, sinks, stream, window)
+
+
+def quantized_arenas(kv: PagedKV, layer: int) -> dict:
+    """The kernel's arguments for a quantized layer's scales and biases (none for
+    a float layer, whose keys and values arenas are all it reads)."""
+    shape, planes = kv.shapes[layer], kv.planes[layer]
+    if shape.bits is None:
+        return {}
+    return dict(
+        key_scales=planes[1],
+        key_biases=planes[2],
+        value_scales=planes[4],
+        value_biases=planes[5],
+        bits=shape.bits,
+        group_size=shape.group_size,
+    )
 
 
 def gathered_attention(
@@ -90,7 +108,7 @@ def gathered_attention(
     inner = _inner["scaled_dot_product_attention"]
     outputs = []
     for s in k.layout.segments:
-        keys, values = k.kv.read(k.layer, s.pages, s.context)
+        keys, values = k.kv.read_float(k.layer, s.pages, s.context)
         mask = "causal" if s.tokens > 1 else None
         if window and s.context > window:
             at = mx.arange(s.context - s.tokens, s.context)[:, None]

@@ -40,6 +40,7 @@ from mlx_backend.caches.paged import (
     pages_for,
 )
 from mlx_backend.caches.paged_attention import install_paged_ops
+from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.decoders.base import (
     Capabilities,
     Decoder,
@@ -646,20 +647,47 @@ class NotPaged(Exception):
     """The model can't run on the paged pass; the message says why."""
 
 
+def layer_shape(cache, page_dtype: mx.Dtype | None) -> LayerShape:
+    """The pages' shape for a layer of mlx-lm's cache that has run a token."""
+    if isinstance(cache, QuantizedKVCache):
+        codes, scales, _ = cache.keys
+        return LayerShape(
+            codes.shape[1],
+            codes.shape[3] * 32 // cache.bits,
+            cache.values[0].shape[3] * 32 // cache.bits,
+            scales.dtype,
+            bits=cache.bits,
+            group_size=cache.group_size,
+        )
+    return LayerShape(
+        cache.keys.shape[1],
+        cache.keys.shape[3],
+        cache.values.shape[3],
+        cache.keys.dtype,
+        page_dtype,
+    )
+
+
 def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
     """Each attention layer's KV rows, once a probe found that a pass over pages
     gives mlx-lm's logits (a prompt chunk, then a decode token); raises
     ``NotPaged`` with the reason otherwise."""
     if options.max_kv_size is not None:
         raise NotPaged("max_kv_size keeps only a sequence's last tokens")
+    if options.kv_bits is not None and options.quantized_kv_start:
+        raise NotPaged(
+            "quantized_kv_start keeps a sequence's first tokens unquantized, and "
+            "pages are quantized from the first"
+        )
     cache = make_kv_cache(model, options)
     # A model's sliding windows (rotating layers that keep no first tokens) run
-    # on pages, the window as attention's mask (make_mask).
+    # on pages, the window as attention's mask (make_mask); quantized layers
+    # (kv_bits) on quantized pages.
     others = sorted(
         {
             type(c).__name__
             for c in cache
-            if type(c) is not KVCache
+            if type(c) not in (KVCache, QuantizedKVCache)
             and not (type(c) is RotatingKVCache and c.keep == 0)
         }
     )
@@ -675,16 +703,7 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
     # kv_dtype, else the float type CacheTypeKey/Value name, else the model's.
     wanted = options.kv_dtype if options.kv_dtype != "auto" else options.cache_float
     page_dtype = getattr(mx, wanted) if wanted else None
-    shapes = [
-        LayerShape(
-            c.keys.shape[1],
-            c.keys.shape[3],
-            c.values.shape[3],
-            c.keys.dtype,
-            page_dtype,
-        )
-        for c in cache
-    ]
+    shapes = [layer_shape(c, page_dtype) for c in cache]
     install_paged_ops()
     kv = PagedKV(shapes, arena_pages=1)
     pages = tuple(kv.allocate(1))
@@ -705,7 +724,8 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
         # Narrower pages round the KV: within 1% of the logits' range then (the
         # embedded model's float16 pages: 0.13 at 33).
         atol = 1e-2
-        if page_dtype is not None and page_dtype.size < shapes[0].dtype.size:
+        narrower = page_dtype is not None and page_dtype.size < shapes[0].dtype.size
+        if narrower or options.kv_bits is not None:
             atol *= max(mx.max(mx.abs(theirs)).item(), 1.0)
         if not mx.allclose(mine, theirs, rtol=1e-2, atol=atol).item():
             raise NotPaged("a pass over pages does not give the model's logits")

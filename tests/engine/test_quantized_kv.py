@@ -1,5 +1,5 @@
-"""Quantized KV caches on the embedded model, in-process: batched and single
-quantized decoding agree, q8_0 stays close to full precision, the engine serves
+"""Quantized KV caches on the embedded model, in-process: quantized pages, batched
+and single quantized decoding agree, q8_0 stays close to full precision, the engine serves
 and caches quantized KV state, staged quantization matches mlx-lm's, and a layout
 the model can't take fails the load."""
 
@@ -9,8 +9,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from mlx_backend.caches.paged import PAGE_TOKENS, PagedPrefix, pages_for
 from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.paged import PagedDecoder, paged_layers
 from mlx_backend.decoders.single import SingleDecoder
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.models import mlx_lm_fixes
@@ -49,22 +51,28 @@ BATCHING_NOISE = 0.4
 Q8_NOISE = 0.6
 
 
-def test_batched_and_single_quantized_decoding_agree(engine):
-    def both(model, options):
+def test_paged_batched_and_single_quantized_decoding_agree(engine):
+    """Quantized pages (the CPU kernel dequantizing a block at a time), the batch
+    decoder's quantized caches and mlx-lm's for one sequence decode alike at q8_0
+    (4 bits rounds too coarsely to judge so: its kernel is checked against the
+    gathered pages in tests/unit/test_paged_kv.py)."""
+
+    def each(model, options):
         options = quantized(options, 8)
         prompts = [chat_prompt(engine, q) for q in QUESTIONS]
-        batched = drive(
-            BatchDecoder(model, options, True), model, options, prompts, 24, 2
+        decoders = (
+            PagedDecoder(model, options, paged_layers(model, options)),
+            BatchDecoder(model, options, True),
+            SingleDecoder(model, options, True),
         )
-        single = drive(
-            SingleDecoder(model, options, True), model, options, prompts, 24, 2
-        )
-        return batched, single
+        return [drive(d, model, options, prompts, 24, 2) for d in decoders]
 
-    batched, single = on_engine_thread(engine, both)
-    for b, s in zip(batched, single):
-        assert len(b[0]) == 24
+    paged, batched, single = on_engine_thread(engine, each)
+    for p, b, s in zip(paged, batched, single):
+        assert len(p[0]) == len(b[0]) == 24
         assert_greedy_close(b, s, BATCHING_NOISE)
+        assert_greedy_close(p, s, BATCHING_NOISE)
+        assert isinstance(p[2].cache[0], PagedPrefix)
         assert isinstance(b[2].cache[0], QuantizedKVCache)
         assert isinstance(s[2].cache[0], QuantizedKVCache)
 
@@ -126,24 +134,36 @@ def test_q8_0_read_dequantized_keeps_full_precision_greedy_tokens(engine, monkey
         assert_greedy_close(ours, theirs, Q8_NOISE)
 
 
-def test_the_engine_serves_and_caches_quantized_kv():
-    engine = load_engine("kv_bits:8", "kv_group_size:32")
+@pytest.mark.parametrize("paged", ["paged:true", "paged:false"])
+def test_the_engine_serves_and_caches_quantized_kv(paged):
+    """On quantized pages (the CPU's default) and on the batch decoder's quantized
+    caches, each retired sequence's quantized KV state is kept at its real size,
+    and the same requests again reuse it for the same text."""
+    engine = load_engine("kv_bits:8", "kv_group_size:32", paged)
     try:
         requests = [generation(engine, q, max_tokens=16) for q in QUESTIONS]
         replies = run(engine, *requests)
         first = [text_of(events) for events in replies]
         stats = stats_after(engine)
-        # Each retired sequence's quantized KV state is kept, at its real size:
-        # 30 layers, 3 KV heads, 64 values quantized to 8 bits in groups of 32.
+        # 30 layers, 3 KV heads, 64 values quantized to 8 bits in groups of 32
+        # (float32 scales and biases).
         per_token = 30 * 2 * 3 * (64 + 2 * 2 * 4)
 
         def entries(model, options):
             entries = engine.served.store.cache.entries(engine.info.load_id)
-            return [(type(cache[0]), cache[0].offset) for _, cache in entries]
+            return [(cache[0], cache[0].offset) for _, cache in entries]
 
         kept = on_engine_thread(engine, entries)
-        assert {kind for kind, _ in kept} == {QuantizedKVCache} and len(kept) == 3
-        assert stats["prompt_cache_bytes"] == per_token * sum(n for _, n in kept)
+        assert len(kept) == 3
+        if paged == "paged:true":
+            # Pages: whole pages held, quantized.
+            assert {type(c) for c, _ in kept} == {PagedPrefix}
+            assert {c.lease.kv.shapes[0].bits for c, _ in kept} == {8}
+            held = PAGE_TOKENS * sum(pages_for(n) for _, n in kept)
+        else:
+            assert {type(c) for c, _ in kept} == {QuantizedKVCache}
+            held = sum(n for _, n in kept)
+        assert stats["prompt_cache_bytes"] == per_token * held
         # At least the prompt and all but the last generated token.
         assert sum(n for _, n in kept) >= sum(
             e[-1].prompt_tokens + e[-1].completion_tokens - 1 for e in replies

@@ -23,7 +23,11 @@ from mlx_backend.caches.paged import (
     make_layout,
     pages_for,
 )
-from mlx_backend.caches.paged_attention import gathered_attention, install_paged_ops
+from mlx_backend.caches.paged_attention import (
+    gathered_attention,
+    install_paged_ops,
+    quantized_arenas,
+)
 from mlx_backend.cpu.kernels import fast_ops
 
 SHAPE = LayerShape(kv_heads=2, key_dims=16, value_dims=16, dtype=mx.float32)
@@ -174,11 +178,28 @@ def test_a_sequence_shares_a_kept_states_full_pages_and_copies_the_page_it_write
 
 def random_pools(kv: PagedKV, seed: int) -> None:
     key = mx.random.key(seed)
-    for layer in range(len(kv.shapes)):
-        for arenas in (kv.keys[layer], kv.values[layer]):
-            for i, arena in enumerate(arenas):
+    for layer, shape in enumerate(kv.shapes):
+        planes = kv.planes[layer]
+        if shape.bits is None:
+            for arenas in planes:
+                for i, arena in enumerate(arenas):
+                    key, draw = mx.random.split(key)
+                    arenas[i] = mx.random.normal(arena.shape, key=draw).astype(
+                        arena.dtype
+                    )
+            continue
+        # Quantized: random keys and values, quantized as a pass writes them.
+        for half, dims in (
+            (planes[:3], shape.key_dims),
+            (planes[3:], shape.value_dims),
+        ):
+            for i in range(len(half[0])):
                 key, draw = mx.random.split(key)
-                arenas[i] = mx.random.normal(arena.shape, key=draw).astype(arena.dtype)
+                rows = half[0][i].shape[0]
+                x = mx.random.normal((rows, shape.kv_heads, dims), key=draw)
+                parts = mx.quantize(x, group_size=shape.group_size, bits=shape.bits)
+                for arenas, part in zip(half, parts):
+                    arenas[i] = part
 
 
 # Decode rows, a chunk deep in its context that splits pages, a first chunk, and
@@ -213,6 +234,7 @@ def kernel_error(qmm, q, kv: PagedKV, layout, sink, window: int = 0) -> float:
         arena_pages=kv.arena_pages,
         window=window,
         sinks=sink,
+        **quantized_arenas(kv, 0),
     )
     assert got.shape == expected.shape
     return mx.max(mx.abs(got - expected)).item()
@@ -267,6 +289,54 @@ def test_deep_sequences_attend_as_gathered_pages_do(
     q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(5))
     sink = mx.random.normal((heads,), key=mx.random.key(6)) if sinks else None
     assert kernel_error(qmm, q, kv, layout, sink, window) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "bits, group_size", [(8, 32), (8, 64), (4, 32), (6, 64), (3, 32)]
+)
+@pytest.mark.parametrize("window", [0, 45])
+def test_quantized_pages_attend_as_their_gathered_dequantized_keys_do(
+    qmm, isa, bits, group_size, window
+):
+    """Pages of MLX's affine codes (8 and 4 bits a byte apart, 6 and 3 across
+    bytes) with float32 scales and biases per group: the kernel dequantizes a
+    block at a time, as ``mx.dequantize`` does the gathered pages."""
+    install_paged_ops()
+    shape = LayerShape(2, 64, 64, mx.float32, bits=bits, group_size=group_size)
+    kv = PagedKV([shape], arena_pages=4)
+    kv.allocate(9)
+    random_pools(kv, 12)
+    layout = kv.layout(SEGMENTS)
+    q = mx.random.normal((1, 6, layout.tokens, 64), key=mx.random.key(13))
+    sink = mx.random.normal((6,), key=mx.random.key(14))
+    assert kernel_error(qmm, q, kv, layout, sink, window) < 2e-5
+
+
+def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quantizes():
+    """A quantized layer's pages hold ``mx.quantize``'s triple of what was written;
+    a kept state copied out is the project's ``QuantizedKVCache`` with the same
+    codes, and loaded back into new pages it reads the same."""
+    shape = LayerShape(2, 64, 64, mx.float32, bits=8, group_size=32)
+    kv = PagedKV([shape], arena_pages=2)
+    pages = kv.allocate(2)
+    keys = mx.random.normal((1, 2, 45, 64), key=mx.random.key(21))
+    values = mx.random.normal((1, 2, 45, 64), key=mx.random.key(22))
+    layout = kv.layout([Segment(0, 45, 45, tuple(pages))])
+    kv.write(0, layout.writes, keys, values)
+    got_keys, got_values = kv.read(0, pages, 45)
+    for got, x in ((got_keys, keys), (got_values, values)):
+        for mine, theirs in zip(got, mx.quantize(x, group_size=32, bits=8)):
+            assert mx.array_equal(mine, theirs)
+    (prefix,) = kv.prefix(pages, 45)
+    cache = prefix.to_kv_cache()
+    assert (cache.bits, cache.group_size, cache.offset) == (8, 32, 45)
+    assert all(mx.array_equal(a, b) for a, b in zip(cache.keys, got_keys))
+    other = PagedKV([shape], arena_pages=2)
+    loaded = other.take([cache], 45)
+    for a, b in zip(other.read_float(0, loaded, 45), kv.read_float(0, pages, 45)):
+        assert mx.array_equal(a, b)
+    # 64 one-byte codes, and two groups' float32 scale and bias, per token and head.
+    assert kv.page_nbytes == PAGE_TOKENS * 2 * 2 * (64 + 2 * 2 * 4)
 
 
 def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):

@@ -124,8 +124,16 @@ NB_MODULE(_qmm, m) {
       "arena_pages"_a,
       "window"_a = 0,
       "sinks"_a = nb::none(),
+      "key_scales"_a = std::vector<mlx::core::array>{},
+      "key_biases"_a = std::vector<mlx::core::array>{},
+      "value_scales"_a = std::vector<mlx::core::array>{},
+      "value_biases"_a = std::vector<mlx::core::array>{},
+      "bits"_a = 0,
+      "group_size"_a = 0,
       "stream"_a = nb::none(),
-      "Attention of flattened sequences over paged keys and values in arenas, one node.");
+      "Attention of flattened sequences over paged keys and values in arenas, one "
+      "node; where bits > 0 the arenas hold MLX's quantized codes, with their "
+      "scales and biases.");
   // Operations MLX's CPU build runs one scalar exp at a time.
   m.def(
       "swiglu",

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -697,41 +698,89 @@ mx::array paged_attention(
     int arena_pages,
     int window,
     const std::optional<mx::array>& sinks,
+    const std::vector<mx::array>& key_scales,
+    const std::vector<mx::array>& key_biases,
+    const std::vector<mx::array>& value_scales,
+    const std::vector<mx::array>& value_biases,
+    int bits,
+    int group_size,
     mx::StreamOrDevice s_) {
   const char* op = "paged_attention";
   int heads = queries.ndim() == 4 ? queries.shape(1) : 0;
+  int D = queries.ndim() == 4 ? queries.shape(3) : 0;
+  // Quantized arenas hold `bits`-bit codes packed in uint32 words (MLX's
+  // quantize), and a scale and a bias per group of `group_size` dims.
+  bool quantized = bits > 0;
+  int per_word = quantized ? 32 / std::gcd(32, bits) : 1;
   bool fits = queries.ndim() == 4 && queries.shape(0) == 1 && !keys.empty() &&
       keys.size() == values.size() && arena_pages > 0 && segments.ndim() == 2 &&
       segments.shape(1) == 3 && tables.ndim() == 2 &&
-      tables.shape(0) == segments.shape(0);
+      tables.shape(0) == segments.shape(0) && bits >= 0 && bits <= 8;
+  if (fits && quantized) {
+    fits = group_size > 0 && D % group_size == 0 && D % per_word == 0 &&
+        key_scales.size() == keys.size() && key_biases.size() == keys.size() &&
+        value_scales.size() == keys.size() && value_biases.size() == keys.size();
+  } else if (fits) {
+    fits = key_scales.empty() && key_biases.empty() && value_scales.empty() &&
+        value_biases.empty();
+  }
+  // Dims a key row of an arena holds: packed words where quantized.
+  auto row_dims = [&](int dims) {
+    return quantized ? dims * bits / 32 : dims;
+  };
+  int Dv = 0;
+  if (fits) {
+    int words = values[0].ndim() == 3 ? values[0].shape(2) : 0;
+    Dv = quantized ? words * 32 / bits : words;
+    fits = !quantized || (Dv % group_size == 0 && row_dims(Dv) == words);
+  }
   for (size_t a = 0; fits && a < keys.size(); a++) {
     auto &k = keys[a], &v = values[a];
-    fits = k.ndim() == 3 && v.ndim() == 3 &&
-        k.shape(0) == int64_t(arena_pages) * fused::KEYS_BLOCK &&
-        v.shape(0) == k.shape(0) && k.shape(1) == keys[0].shape(1) &&
-        v.shape(1) == k.shape(1) && k.shape(2) == queries.shape(3) &&
+    int64_t rows = int64_t(arena_pages) * fused::KEYS_BLOCK;
+    fits = k.ndim() == 3 && v.ndim() == 3 && k.shape(0) == rows &&
+        v.shape(0) == rows && k.shape(1) == keys[0].shape(1) &&
+        v.shape(1) == k.shape(1) && k.shape(2) == row_dims(D) &&
         v.shape(2) == values[0].shape(2) && heads % k.shape(1) == 0;
+    if (fits && quantized) {
+      fits = k.dtype() == mx::uint32 && v.dtype() == mx::uint32;
+      for (auto [group, dims] :
+           {std::pair{&key_scales, D},
+            {&key_biases, D},
+            {&value_scales, Dv},
+            {&value_biases, Dv}}) {
+        auto& g = (*group)[a];
+        fits = fits && g.ndim() == 3 && g.shape(0) == rows &&
+            g.shape(1) == k.shape(1) && g.shape(2) == dims / group_size;
+      }
+    }
   }
   if (!fits) {
     std::ostringstream msg;
     msg << "[" << op << "] incompatible shapes: queries " << queries.shape()
         << ", " << keys.size() << " key and " << values.size()
         << " value arenas of " << arena_pages << " pages, segments "
-        << segments.shape() << ", tables " << tables.shape() << ".";
+        << segments.shape() << ", tables " << tables.shape();
+    if (quantized) {
+      msg << ", " << bits << "-bit codes in groups of " << group_size;
+    }
+    msg << ".";
     throw std::invalid_argument(msg.str());
   }
   auto out_type = queries.dtype();
-  for (auto* arenas : {&keys, &values}) {
-    for (auto& a : *arenas) {
-      out_type = mx::promote_types(out_type, a.dtype());
+  if (!quantized) {
+    for (auto* arenas : {&keys, &values}) {
+      for (auto& a : *arenas) {
+        out_type = mx::promote_types(out_type, a.dtype());
+      }
     }
   }
   check_floating(op, out_type);
   auto s = mx::to_stream(s_, mx::Device::cpu);
   // The layout's arrays and the arenas are row-contiguous as the store makes
   // them (checked when the task runs): no copies, no more nodes. Float16 arenas
-  // are read as they are (widened a block at a time); others become float32.
-  bool half = true;
+  // are read as they are (widened a block at a time), quantized ones as codes
+  // (dequantized a block at a time); others become float32.
+  bool half = !quantized;
   for (auto* arenas : {&keys, &values}) {
     for (auto& a : *arenas) {
       half = half && a.dtype() == mx::float16;
@@ -743,7 +792,13 @@ mx::array paged_attention(
       as(tables, mx::int32, s)};
   for (auto* arenas : {&keys, &values}) {
     for (auto& a : *arenas) {
-      inputs.push_back(as(a, half ? mx::float16 : mx::float32, s));
+      inputs.push_back(
+          quantized ? a : as(a, half ? mx::float16 : mx::float32, s));
+    }
+  }
+  for (auto* arenas : {&key_scales, &key_biases, &value_scales, &value_biases}) {
+    for (auto& a : *arenas) {
+      inputs.push_back(as(a, mx::float32, s));
     }
   }
   if (sinks.has_value()) {
@@ -751,10 +806,17 @@ mx::array paged_attention(
     inputs.push_back(as(*sinks, mx::float32, s));
   }
   auto y = mx::array(
-      {1, heads, queries.shape(2), values[0].shape(2)},
+      {1, heads, queries.shape(2), Dv},
       mx::float32,
       std::make_shared<CpuPagedAttention>(
-          s, scale, int(keys.size()), arena_pages, window, sinks.has_value()),
+          s,
+          scale,
+          int(keys.size()),
+          arena_pages,
+          window,
+          sinks.has_value(),
+          bits,
+          group_size),
       std::move(inputs));
   return as(y, out_type, s);
 }
@@ -766,7 +828,9 @@ void CpuPagedAttention::eval_cpu(
                                         arenas = arenas_,
                                         arena_pages = arena_pages_,
                                         window = window_,
-                                        has_sinks = has_sinks_](
+                                        has_sinks = has_sinks_,
+                                        bits = bits_,
+                                        group_size = group_size_](
                                            std::vector<mx::array>& in,
                                            mx::array& out) {
     for (size_t i = 1; i < in.size() - (has_sinks ? 1 : 0); i++) {
@@ -779,14 +843,21 @@ void CpuPagedAttention::eval_cpu(
     int heads = in[0].shape(1), L = in[0].shape(2), D = in[0].shape(3);
     auto& first_keys = in[3];
     auto& first_values = in[3 + arenas];
-    int kv_heads = first_keys.shape(1), Dv = first_values.shape(2);
+    int kv_heads = first_keys.shape(1);
+    int Dv = bits > 0 ? first_values.shape(2) * 32 / bits : first_values.shape(2);
     int repeats = heads / kv_heads;
-    // Float16 arenas' bits, read through float pointers the row kernel widens.
+    // Float16 arenas' bits and quantized arenas' codes, read through float
+    // pointers the row kernel widens.
     bool half = first_keys.dtype() == mx::float16;
     std::vector<const float*> k_arenas(arenas), v_arenas(arenas);
+    // Quantized: each arena's key scales, key biases, value scales, value biases.
+    std::vector<const float*> groups(bits > 0 ? 4 * arenas : 0);
     for (int a = 0; a < arenas; a++) {
       k_arenas[a] = static_cast<const float*>(in[3 + a].data<void>());
       v_arenas[a] = static_cast<const float*>(in[3 + arenas + a].data<void>());
+    }
+    for (size_t g = 0; g < groups.size(); g++) {
+      groups[g] = in[3 + 2 * arenas + g].data<float>();
     }
     const int32_t* segments = in[1].data<int32_t>();
     const int32_t* tables = in[2].data<int32_t>();
@@ -817,8 +888,12 @@ void CpuPagedAttention::eval_cpu(
       }
       work += double(heads) * n * context * (D + Dv);
     }
-    int64_t token_stride = int64_t(kv_heads) * D;
-    int64_t value_stride = int64_t(kv_heads) * Dv;
+    // Per token of an arena: elements (bytes of codes where quantized), and
+    // where quantized its scales (as many as its biases).
+    int64_t token_stride = int64_t(kv_heads) * (bits > 0 ? D * bits / 8 : D);
+    int64_t value_stride = int64_t(kv_heads) * (bits > 0 ? Dv * bits / 8 : Dv);
+    int k_groups = bits > 0 ? D / group_size : 0;
+    int v_groups = bits > 0 ? Dv / group_size : 0;
     const RowKernels& kernels = row_kernels();
     int total = int(tasks.size()) * kv_heads;
     run_tasks(total, work, [&](int t) {
@@ -844,8 +919,20 @@ void CpuPagedAttention::eval_cpu(
           row.arena_pages = arena_pages;
           row.k_page_stride = token_stride * fused::KEYS_BLOCK;
           row.v_page_stride = value_stride * fused::KEYS_BLOCK;
-          row.k_head = int64_t(kv) * D;
-          row.v_head = int64_t(kv) * Dv;
+          row.k_head = int64_t(kv) * (bits > 0 ? D * bits / 8 : D);
+          row.v_head = int64_t(kv) * (bits > 0 ? Dv * bits / 8 : Dv);
+          if (bits > 0) {
+            row.bits = bits;
+            row.group_size = group_size;
+            row.k_scale_arenas = groups.data();
+            row.k_bias_arenas = groups.data() + arenas;
+            row.v_scale_arenas = groups.data() + 2 * arenas;
+            row.v_bias_arenas = groups.data() + 3 * arenas;
+            row.k_scale_stride = int64_t(kv_heads) * k_groups;
+            row.v_scale_stride = int64_t(kv_heads) * v_groups;
+            row.k_scale_head = int64_t(kv) * k_groups;
+            row.v_scale_head = int64_t(kv) * v_groups;
+          }
           row.dims = D;
           row.value_dims = Dv;
           row.keys = context - n + l + 1;
@@ -875,12 +962,15 @@ bool CpuPagedAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const CpuPagedAttention&>(other);
   return scale_ == o.scale_ && arenas_ == o.arenas_ &&
       arena_pages_ == o.arena_pages_ && window_ == o.window_ &&
-      has_sinks_ == o.has_sinks_;
+      has_sinks_ == o.has_sinks_ && bits_ == o.bits_ &&
+      group_size_ == o.group_size_;
 }
 
 std::vector<mx::Shape> CpuPagedAttention::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {{1, inputs[0].shape(1), inputs[0].shape(2), inputs[3 + arenas_].shape(2)}};
+  int words = inputs[3 + arenas_].shape(2);
+  int Dv = bits_ > 0 ? words * 32 / bits_ : words;
+  return {{1, inputs[0].shape(1), inputs[0].shape(2), Dv}};
 }
 
 void set_fused_isa(const std::string& isa) {

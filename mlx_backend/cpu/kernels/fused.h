@@ -65,6 +65,12 @@ mx::array paged_attention(
     int arena_pages,
     int window,
     const std::optional<mx::array>& sinks,
+    const std::vector<mx::array>& key_scales = {},
+    const std::vector<mx::array>& key_biases = {},
+    const std::vector<mx::array>& value_scales = {},
+    const std::vector<mx::array>& value_biases = {},
+    int bits = 0,
+    int group_size = 0,
     mx::StreamOrDevice s = {});
 
 // mlx-lm's swiglu: silu(gate) * x, for inputs of one shape.
@@ -192,21 +198,26 @@ class CpuAttention : public mx::UnaryPrimitive {
 
 class CpuPagedAttention : public mx::UnaryPrimitive {
  public:
-  // Inputs: queries, segments, tables, the key arenas, the value arenas, then
-  // sinks if given.
+  // Inputs: queries, segments, tables, the key arenas, the value arenas, where
+  // bits > 0 (quantized arenas of codes) the arenas of key scales, key biases,
+  // value scales and value biases, then sinks if given.
   CpuPagedAttention(
       mx::Stream stream,
       float scale,
       int arenas,
       int arena_pages,
       int window,
-      bool has_sinks)
+      bool has_sinks,
+      int bits,
+      int group_size)
       : mx::UnaryPrimitive(stream),
         scale_(scale),
         arenas_(arenas),
         arena_pages_(arena_pages),
         window_(window),
-        has_sinks_(has_sinks) {}
+        has_sinks_(has_sinks),
+        bits_(bits),
+        group_size_(group_size) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -223,6 +234,8 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
   int arena_pages_;
   int window_;
   bool has_sinks_;
+  int bits_;
+  int group_size_;
 };
 
 // The instruction set the fused kernels run on: "auto" picks the best this CPU

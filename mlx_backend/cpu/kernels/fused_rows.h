@@ -22,6 +22,20 @@ struct AttentionRow {
   const float* const* v_arenas;
   // The paged keys and values are float16 (their pointers point at its bits).
   bool half;
+  // Or (bits > 0) MLX's affine quantization: each key's dims as a little-endian
+  // stream of `bits`-bit codes (k_stride, k_page_stride and k_head in bytes
+  // then), and per group of `group_size` dims a float32 scale and bias, key j's
+  // at *_scale_arenas[arena] + page offset + scale_head + j * scale_stride.
+  int bits = 0;
+  int group_size = 0;
+  const float* const* k_scale_arenas = nullptr;
+  const float* const* k_bias_arenas = nullptr;
+  const float* const* v_scale_arenas = nullptr;
+  const float* const* v_bias_arenas = nullptr;
+  int64_t k_scale_stride = 0;
+  int64_t v_scale_stride = 0;
+  int64_t k_scale_head = 0;
+  int64_t v_scale_head = 0;
   int arena_pages;
   int64_t k_page_stride;
   int64_t v_page_stride;
@@ -45,9 +59,10 @@ struct AttentionRow {
 constexpr int KEYS_BLOCK = 32;
 
 // Floats of scratch that attention_rows needs for `count` rows of `dims` (and
-// `value_dims`: a block of float16 values is widened there).
+// `value_dims`: a block of float16 or quantized values is widened there, and a
+// block of quantized keys before it is transposed).
 inline int64_t attention_rows_scratch(int count, int dims, int value_dims) {
-  return int64_t(KEYS_BLOCK) * (dims + value_dims) + 2 * int64_t(count);
+  return int64_t(KEYS_BLOCK) * (2 * dims + value_dims) + 2 * int64_t(count);
 }
 
 struct RowKernels {

@@ -275,6 +275,48 @@ inline __m256 load8(const uint16_t* p) {
 }
 #endif
 
+#if defined(__AVX2__)
+// Eight rows of eight dims (r[i]: key j0 + i, dims d0 .. d0 + 7) stored
+// transposed into kt ([dims][KEYS_BLOCK]).
+inline void store_transposed8(__m256* r, int j0, int d0, float* kt) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    for (int h = 0; h < 2; h++) {
+      r[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+      r[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xEE);
+    }
+  }
+  // r[0..3]: dims {0,4}, {1,5}, {2,6}, {3,7} of keys 0-3, r[4..7] of keys 4-7.
+  for (int i = 0; i < 4; i++) {
+    __m256 a = r[i], b = r[4 + i];
+    _mm256_storeu_ps(
+        kt + (d0 + i) * KEYS_BLOCK + j0, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(
+        kt + (d0 + i + 4) * KEYS_BLOCK + j0, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+}
+
+// Eight quantized dims' codes as floats: 8 bits (8 bytes), 4 bits (4 bytes,
+// low nibbles first).
+inline __m256 codes8(const uint8_t* c, int bits) {
+  __m128i bytes;
+  if (bits == 8) {
+    bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  } else {
+    int32_t packed;
+    std::memcpy(&packed, c, 4);
+    __m128i b = _mm_cvtsi32_si128(packed), low = _mm_set1_epi8(15);
+    bytes = _mm_unpacklo_epi8(
+        _mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  }
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+#endif
+
 // kt[d][j] = k_j[d] for a block of keys (kt: [dims][KEYS_BLOCK]), float16 keys
 // widened; keys from `n` on read as zeros.
 template <typename T>
@@ -290,29 +332,11 @@ inline void transpose_block(
   if (n == KEYS_BLOCK && dims % 8 == 0) {
     for (int j0 = 0; j0 < KEYS_BLOCK; j0 += 8) {
       for (int d0 = 0; d0 < dims; d0 += 8) {
-        __m256 r[8], t[8];
+        __m256 r[8];
         for (int i = 0; i < 8; i++) {
           r[i] = load8(k + (j0 + i) * stride + d0);
         }
-        for (int i = 0; i < 8; i += 2) {
-          t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-          t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int i = 0; i < 8; i += 4) {
-          for (int h = 0; h < 2; h++) {
-            r[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
-            r[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xEE);
-          }
-        }
-        // r[0..3]: dims {0,4}, {1,5}, {2,6}, {3,7} of keys 0-3, r[4..7] of keys 4-7.
-        for (int i = 0; i < 4; i++) {
-          __m256 a = r[i], b = r[4 + i];
-          _mm256_storeu_ps(
-              kt + (d0 + i) * KEYS_BLOCK + j0, _mm256_permute2f128_ps(a, b, 0x20));
-          _mm256_storeu_ps(
-              kt + (d0 + i + 4) * KEYS_BLOCK + j0,
-              _mm256_permute2f128_ps(a, b, 0x31));
-        }
+        store_transposed8(r, j0, d0, kt);
       }
     }
     return;
@@ -345,6 +369,128 @@ inline void widen_block(
       out[i] = widen(row[i]);
     }
   }
+}
+
+// One row of `dims` quantized dims (codes: a little-endian stream of `bits`-bit
+// codes; a scale and a bias per group of `group_size`) as floats.
+inline void dequantize_row(
+    const uint8_t* codes,
+    const float* scales,
+    const float* biases,
+    int dims,
+    int bits,
+    int group_size,
+    float* out) {
+  for (int g = 0; g < dims / group_size; g++) {
+    float scale = scales[g], bias = biases[g];
+    float* y = out + g * group_size;
+    int first = g * group_size;
+    if (bits == 8) {
+      const uint8_t* c = codes + first;
+      int i = 0;
+#if defined(__AVX2__)
+      __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
+      for (; i + 8 <= group_size; i += 8) {
+        __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
+        __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(x, vs, vb));
+      }
+#endif
+      for (; i < group_size; i++) {
+        y[i] = float(c[i]) * scale + bias;
+      }
+    } else if (bits == 4) {
+      const uint8_t* c = codes + first / 2;
+      int i = 0;
+#if defined(__AVX2__)
+      __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
+      __m128i low = _mm_set1_epi8(15);
+      // 16 codes from 8 bytes: low nibbles are the even dims, high the odd.
+      for (; 2 * i + 16 <= group_size; i += 8) {
+        __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
+        __m128i lo = _mm_and_si128(bytes, low);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        __m128i codes16 = _mm_unpacklo_epi8(lo, hi);
+        __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes16));
+        __m256 b = _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_srli_si128(codes16, 8)));
+        _mm256_storeu_ps(y + 2 * i, _mm256_fmadd_ps(a, vs, vb));
+        _mm256_storeu_ps(y + 2 * i + 8, _mm256_fmadd_ps(b, vs, vb));
+      }
+#endif
+      for (; 2 * i < group_size; i++) {
+        y[2 * i] = float(c[i] & 15) * scale + bias;
+        y[2 * i + 1] = float(c[i] >> 4) * scale + bias;
+      }
+    } else {
+      uint32_t mask = (1u << bits) - 1;
+      for (int i = 0; i < group_size; i++) {
+        int64_t at = int64_t(first + i) * bits;
+        const uint8_t* c = codes + at / 8;
+        int shift = int(at % 8);
+        // A code crosses into the next byte only where it doesn't end the row.
+        uint32_t word = c[0] | (shift + bits > 8 ? uint32_t(c[1]) << 8 : 0u);
+        y[i] = float((word >> shift) & mask) * scale + bias;
+      }
+    }
+  }
+}
+
+// A block of quantized rows: row j's codes at codes + j * stride bytes, its
+// scales and biases at + j * scale_stride.
+struct QuantizedBlock {
+  const uint8_t* codes;
+  int64_t stride;
+  const float* scales;
+  const float* biases;
+  int64_t scale_stride;
+  int bits;
+  int group_size;
+};
+
+// The block's first `n` rows widened into out (rows of dims).
+inline void dequantize_block(const QuantizedBlock& b, int n, int dims, float* out) {
+  for (int j = 0; j < n; j++) {
+    dequantize_row(
+        b.codes + j * b.stride,
+        b.scales + j * b.scale_stride,
+        b.biases + j * b.scale_stride,
+        dims,
+        b.bits,
+        b.group_size,
+        out + int64_t(j) * dims);
+  }
+}
+
+// transpose_block for quantized keys; kb: scratch of KEYS_BLOCK rows of dims
+// where the block is dequantized first (other widths, the portable path).
+inline void transpose_quantized_block(
+    const QuantizedBlock& b,
+    int n,
+    int dims,
+    float* kb,
+    float* kt) {
+#if defined(__AVX2__)
+  // 8 and 4 bits: dequantized in registers on the way into the transpose.
+  if (n == KEYS_BLOCK && (b.bits == 8 || b.bits == 4) && b.group_size % 8 == 0) {
+    for (int j0 = 0; j0 < KEYS_BLOCK; j0 += 8) {
+      for (int d0 = 0; d0 < dims; d0 += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) {
+          int64_t j = j0 + i, g = d0 / b.group_size;
+          r[i] = _mm256_fmadd_ps(
+              codes8(b.codes + j * b.stride + d0 * b.bits / 8, b.bits),
+              _mm256_set1_ps(b.scales[j * b.scale_stride + g]),
+              _mm256_set1_ps(b.biases[j * b.scale_stride + g]));
+        }
+        store_transposed8(r, j0, d0, kt);
+      }
+    }
+    return;
+  }
+#endif
+  dequantize_block(b, n, dims, kb);
+  transpose_block(kb, int64_t(dims), n, dims, kt);
 }
 
 // A row's scores of keys j0 .. j0 + KEYS_BLOCK (its first `seen` visible) turned
@@ -413,10 +559,13 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   int dims = first.dims, value_dims = first.value_dims;
   float* kt = scratch;
   float* vb = kt + int64_t(KEYS_BLOCK) * dims;
-  float* top = vb + int64_t(KEYS_BLOCK) * value_dims;
+  float* kb = vb + int64_t(KEYS_BLOCK) * value_dims;
+  float* top = kb + int64_t(KEYS_BLOCK) * dims;
   float* total = top + count;
-  // Keys and values are float32, or (paged) float16: element offsets in bytes.
-  int64_t width = first.half ? 2 : 4;
+  // Keys and values are float32, or (paged) float16 or quantized codes: offsets
+  // in elements times this are bytes (codes' offsets are bytes already).
+  bool quantized = first.pages != nullptr && first.bits > 0;
+  int64_t width = quantized ? 1 : first.half ? 2 : 4;
   int keys = 0, lowest = std::numeric_limits<int>::max();
   for (int r = 0; r < count; r++) {
     top[r] = rows[r].has_sink ? rows[r].sink : std::numeric_limits<float>::lowest();
@@ -430,10 +579,12 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
     int n = std::min(KEYS_BLOCK, keys - j0);
     const char* k;
     const char* v;
+    int arena = 0;
+    int64_t local = 0;
     if (first.pages != nullptr) {
       int page = first.pages[j0 / KEYS_BLOCK];
-      int arena = page / first.arena_pages;
-      int64_t local = page % first.arena_pages;
+      arena = page / first.arena_pages;
+      local = page % first.arena_pages;
       k = reinterpret_cast<const char*>(first.k_arenas[arena]) +
           (local * first.k_page_stride + first.k_head) * width;
       v = reinterpret_cast<const char*>(first.v_arenas[arena]) +
@@ -452,18 +603,58 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
           (local * first.k_page_stride + first.k_head) * width;
       const char* nv = reinterpret_cast<const char*>(first.v_arenas[arena]) +
           (local * first.v_page_stride + first.v_head) * width;
+      // Quantized rows are narrower than dims bytes (8 bits at most).
+      int64_t k_row = quantized ? dims * first.bits / 8 : dims * width;
+      int64_t v_row = quantized ? value_dims * first.bits / 8 : value_dims * width;
       for (int j = 0; j < KEYS_BLOCK; j++) {
-        for (int64_t b = 0; b < dims * width; b += 64) {
+        for (int64_t b = 0; b < k_row; b += 64) {
           __builtin_prefetch(nk + j * first.k_stride * width + b);
         }
-        for (int64_t b = 0; b < value_dims * width; b += 64) {
+        for (int64_t b = 0; b < v_row; b += 64) {
           __builtin_prefetch(nv + j * first.v_stride * width + b);
+        }
+      }
+      if (quantized) {
+        // The page's scales and biases: every head's, a few lines each.
+        for (auto [arenas, stride] :
+             {std::pair{first.k_scale_arenas, first.k_scale_stride},
+              {first.k_bias_arenas, first.k_scale_stride},
+              {first.v_scale_arenas, first.v_scale_stride},
+              {first.v_bias_arenas, first.v_scale_stride}}) {
+          const char* at = reinterpret_cast<const char*>(
+              arenas[arena] + local * stride * KEYS_BLOCK);
+          for (int64_t b = 0; b < stride * KEYS_BLOCK * 4; b += 64) {
+            __builtin_prefetch(at + b);
+          }
         }
       }
     }
     const float* values = reinterpret_cast<const float*>(v);
     int64_t v_stride = first.v_stride;
-    if (first.half) {
+    if (quantized) {
+      int64_t k_at = local * first.k_scale_stride * KEYS_BLOCK + first.k_scale_head;
+      int64_t v_at = local * first.v_scale_stride * KEYS_BLOCK + first.v_scale_head;
+      QuantizedBlock kq{
+          reinterpret_cast<const uint8_t*>(k),
+          first.k_stride,
+          first.k_scale_arenas[arena] + k_at,
+          first.k_bias_arenas[arena] + k_at,
+          first.k_scale_stride,
+          first.bits,
+          first.group_size};
+      QuantizedBlock vq{
+          reinterpret_cast<const uint8_t*>(v),
+          first.v_stride,
+          first.v_scale_arenas[arena] + v_at,
+          first.v_bias_arenas[arena] + v_at,
+          first.v_scale_stride,
+          first.bits,
+          first.group_size};
+      transpose_quantized_block(kq, n, dims, kb, kt);
+      dequantize_block(vq, n, value_dims, vb);
+      values = vb;
+      v_stride = value_dims;
+    } else if (first.half) {
       transpose_block(
           reinterpret_cast<const uint16_t*>(k), first.k_stride, n, dims, kt);
       widen_block(
