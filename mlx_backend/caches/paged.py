@@ -465,9 +465,14 @@ def _rows(
 
 @dataclass(frozen=True)
 class TokenPositions:
-    """A pass's ``offset``: each token's own position, which RoPE reads."""
+    """A pass's ``offset``: each token's own position, which RoPE reads. As an
+    array (``mx.array(cache.offset)``, as Gemma 4's attention takes it) it is
+    those positions, one per token."""
 
     layout: StepLayout
+
+    def __mlx_array__(self) -> mx.array:
+        return self.layout.positions
 
 
 @dataclass(frozen=True)

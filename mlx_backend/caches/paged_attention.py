@@ -34,20 +34,36 @@ def _rope(a, dims, *, traditional, base, scale, offset, freqs=None, stream=None)
             stream=stream,
         )
 
-    if not isinstance(offset, TokenPositions):
+    if isinstance(offset, TokenPositions):
+        layout = offset.layout
+        if len(layout.segments) == 1:
+            # One sequence's tokens: consecutive positions from its first.
+            (segment,) = layout.segments
+            return rotate(a, segment.context - segment.tokens)
+        positions = layout.positions
+    elif _per_token(a, offset):
+        # TokenPositions made an array by the model (Gemma 4).
+        positions = offset
+    else:
         return rotate(a, offset)
-    layout = offset.layout
-    if len(layout.segments) == 1:
-        # One sequence's tokens: consecutive positions from its first.
-        (segment,) = layout.segments
-        return rotate(a, segment.context - segment.tokens)
     if fast_ops.routed_kernels() is not None and stream is None:
         # The CPU kernel takes a position per token (a batch of one).
-        return rotate(a, layout.positions)
+        return rotate(a, positions)
     # [1, heads, tokens, dims] -> one batch row a token.
     _, heads, tokens, width = a.shape
-    rows = rotate(a[0].swapaxes(0, 1)[:, :, None, :], layout.positions)
+    rows = rotate(a[0].swapaxes(0, 1)[:, :, None, :], positions)
     return rows.reshape(tokens, heads, width).swapaxes(0, 1)[None]
+
+
+def _per_token(a: mx.array, offset) -> bool:
+    """Whether ``offset`` gives each of a batch of one's tokens its position: an
+    array offset is otherwise one per batch row, so this shape is never one."""
+    return (
+        isinstance(offset, mx.array)
+        and offset.ndim == 1
+        and a.shape[0] == 1
+        and offset.size == a.shape[-2] > 1
+    )
 
 
 def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):

@@ -36,7 +36,7 @@ from tests.support import EagerLookup, device_tolerance, near_tie
 from tests.tiny_models import FLAT
 
 # The families whose caches and attention run on pages; the rest say why not.
-PAGED = {"llama", "qwen3", "phi3", "gemma3_text", "gpt_oss"}
+PAGED = {"llama", "qwen3", "phi3", "gemma3_text", "gemma4_text", "gpt_oss"}
 OPTIONS = parse_options(["prefill_step_size:256"])
 # Prompt tokens a step carries beside decode rows: chunks of 13 less the rows,
 # which split pages at varied offsets.
