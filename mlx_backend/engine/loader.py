@@ -251,6 +251,7 @@ def prepare(
             options,
             _prefill_peak(costs, options),
             decoder.capabilities.batching,
+            paged.shapes,
         )
     store.load_folder(options.max_cache_entries)
     # A group's ranks would have to run the head's check together.

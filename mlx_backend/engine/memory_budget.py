@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache
 
+from mlx_backend.caches.paged import PAGE_TOKENS, LayerShape, layer_page_nbytes
 from mlx_backend.cpu.blas import physical_memory
 from mlx_backend.errors import InvalidArgument, ResourceExhausted
 from mlx_utils import make_kv_cache
@@ -89,6 +90,18 @@ def measure_kv_sizer(model: nn.Module, options: LoadOptions) -> KVSizer:
             LayerBytes(0, -(-held // room), window, getattr(layer, "step", 1))
         )
     return KVSizer(tuple(layers))
+
+
+def paged_kv_sizer(shapes: Sequence[LayerShape]) -> KVSizer:
+    """A sequence's bytes on pages: whole pages of every layer, in the pages'
+    types (float16, quantized), a window layer's as many as a full one's (pages
+    behind a window are kept)."""
+    return KVSizer(
+        tuple(
+            LayerBytes(per_token=layer_page_nbytes(s) // PAGE_TOKENS, step=PAGE_TOKENS)
+            for s in shapes
+        )
+    )
 
 
 def device_memory() -> tuple[int, str]:
@@ -179,12 +192,17 @@ def make_memory_budget(
     options: LoadOptions,
     prefill_bytes: int,
     rectangular: bool,
+    pages: Sequence[LayerShape] = (),
 ) -> MemoryBudget:
     """The loaded model's budget: ``memory_budget`` bytes, or a share of the
     device's memory; an explicit budget too small for the weights and one
-    prefill step fails the load."""
+    prefill step fails the load. Where the paged decoder serves, its layers'
+    ``pages`` size a sequence (no rows padded to the longest)."""
     weights = weights_bytes(model)
-    sizer = measure_kv_sizer(model, options)
+    if pages:
+        sizer, rectangular = paged_kv_sizer(pages), False
+    else:
+        sizer = measure_kv_sizer(model, options)
     if options.memory_budget is not None:
         total, source = options.memory_budget, OPTION_SOURCE
     else:

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from mlx_backend.caches.paged import pages_for
+from mlx_backend.decoders.paged import PagedDecoder
 from mlx_backend.engine.engine import Engine
 from mlx_backend.errors import ResourceExhausted
 from mlx_backend.models.loading import LoadPlan
@@ -70,6 +72,15 @@ def test_requests_that_outgrow_the_budget_wait_and_finish_with_their_text(tiny):
     figures = stats_after(free)
     weights, prefill = figures["budget_weights_bytes"], figures["budget_prefill_bytes"]
     per_request = free.served.budget.kv_bytes([60 + REPLY_TOKENS])
+    # On pages (the CPU's default) a sequence counts its whole pages, and rows
+    # aren't padded to the longest.
+    paged = isinstance(free.served.decoder, PagedDecoder)
+    assert free.served.budget.rectangular is not paged
+    if paged:
+        assert (
+            per_request
+            == pages_for(60 + REPLY_TOKENS) * free.served.decoder._kv.page_nbytes
+        )
     free.shutdown()
     # Room for three at a time: the twelve would need four times the KV room.
     room = 3 * per_request + per_request // 3

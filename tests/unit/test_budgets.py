@@ -11,6 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 
+from mlx_backend.caches.paged import LayerShape, PagedKV, pages_for
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.proposers import NgramProposer
@@ -37,6 +38,7 @@ from mlx_backend.engine.memory_budget import (
     MemoryBudget,
     device_memory,
     measure_kv_sizer,
+    paged_kv_sizer,
 )
 from mlx_backend.engine.prompt_store import PromptCounts, PromptStore
 from mlx_backend.errors import InvalidArgument, ResourceExhausted
@@ -79,6 +81,31 @@ def test_a_window_holds_its_window_at_most():
     model(mx.array([list(range(1, 60))]), cache=cache)
     mx.eval([layer.state for layer in cache])
     assert sizer.bytes_for(59) == sizer.bytes_for(10_000) >= held_bytes(cache)
+
+
+FLOAT32_PAGES = LayerShape(2, 64, 64, mx.float32)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        FLOAT32_PAGES,
+        LayerShape(2, 64, 64, mx.float32, mx.float16),
+        LayerShape(2, 64, 64, mx.float32, bits=8, group_size=32),
+    ],
+    ids=["float32", "float16", "q8"],
+)
+@pytest.mark.parametrize("tokens", [1, 32, 33, 600])
+def test_the_paged_sizer_counts_the_pages_a_sequence_holds(shape, tokens):
+    """On pages a sequence holds whole pages in the pages' own type (float16,
+    quantized codes with their scales), not mlx-lm's 256-token rooms."""
+    shapes = [shape, FLOAT32_PAGES]
+    kv = PagedKV(shapes)
+    kv.allocate(pages_for(tokens))
+    sizer = paged_kv_sizer(shapes)
+    assert sizer.bytes_for(tokens) == kv.nbytes()
+    if shape is not FLOAT32_PAGES:
+        assert sizer.layers[0].per_token < sizer.layers[1].per_token
 
 
 def test_layer_bytes_round_up_to_the_room_a_layer_allocates():
