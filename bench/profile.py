@@ -25,8 +25,11 @@ ENGINE_STAGES = (
     (("speculative.py",), "speculative decoding (propose, verify)"),
     (("reply_pipeline.py", "detokenizer.py", "chat_output.py"), "detokenize, classify"),
     (("pace_step",), "step evaluation (MLX encode, wait)"),
+    # The paged decoder reads a step's tokens (waiting for it) in _read.
+    (("_read (",), "step evaluation (MLX encode, wait)"),
     (("sampling.py", "sample_utils.py", "grammar.py"), "sampling"),
     (("mlx_lm/models/",), "forward pass: graph building"),
+    (("decoders/paged.py", "caches/paged"), "paged pass: schedule, layout, queue"),
     (("GenerationBatch", "BatchGenerator"), "step evaluation (MLX encode, wait)"),
     # "Outbox" also matches the engine's older class name, "_Outbox".
     (("Outbox", "call_soon_threadsafe"), "hand-off to the event loop"),
