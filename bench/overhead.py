@@ -21,6 +21,7 @@ from contextlib import suppress
 from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -29,6 +30,8 @@ from bench.batching import percentile
 from bench.profile import process_cpu_seconds, profile_decode
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_cores
 from mlx_backend.cpu.compute_path import prepare_for_cpu
+from mlx_backend.cpu.kernels import match_blas_threads, use_kernels
+from mlx_backend.cpu.kernels.fast_ops import route_fast_ops
 from mlx_backend.gpu import device_description
 from mlx_backend.models.gguf import load_gguf
 from mlx_backend.models.loading import default_model_path
@@ -183,6 +186,13 @@ def bench_overhead(servers: dict, rounds: int, tokens: int) -> tuple[dict, list[
     off (``servers``: "auto", "on", "off"; the default alone on a GPU)."""
     model, tokenizer, _ = load_gguf(default_model_path())
     model, path = prepare_for_cpu(model, None, None)
+    # The server's compute path: quantized layers on the SIMD kernels with its
+    # threads, and the fused primitives.
+    if path.kernel_isa:
+        use_kernels(model)
+        match_blas_threads(0)
+    if mx.default_device() == mx.cpu:
+        route_fast_ops()
     eos = next(iter(tokenizer.eos_token_ids))
     auto, auto_pid = servers["auto"].stub, servers["auto"].process.pid
     for server in servers.values():  # warm every side once

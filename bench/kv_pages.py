@@ -1,0 +1,86 @@
+"""The step time of the KV's types, in-process (issue 68): two streams decoding
+1,800 tokens deep on the embedded model, on the paged decoder with float32,
+float16 and q8_0 pages (kv_bits 8, groups of 32) and on the batch decoder with
+mlx-lm's quantized caches and with float32 ones, in alternating rounds.
+
+    venv/bin/python -m bench.kv_pages [--rounds 3]
+
+A step's time is the wall time of ``Decoder.step`` over 60 steps once both
+streams decode (steps overlap the host, so it is the device's pace).
+"""
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import replace
+
+from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.paged import PagedDecoder, paged_layers
+from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
+
+DEPTH = 1800
+STEPS = 60
+Q8 = {"kv_bits": 8, "kv_group_size": 32}
+SIDES = {
+    "paged, float32 pages": (True, {}),
+    "paged, float16 pages": (True, {"kv_dtype": "float16"}),
+    "paged, q8_0 pages": (True, Q8),
+    "batch, q8_0 caches": (False, Q8),
+    "batch, float32 caches": (False, {}),
+}
+
+
+def step_seconds(decoder, model, options, prompts) -> float:
+    for prompt in prompts:
+        decoder.add(new_sequence(model, options, prompt, 10_000))
+    while sum(1 for r in decoder.step() if r.tokens) < len(prompts):
+        pass
+    for _ in range(5):
+        decoder.step()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        decoder.step()
+    return (time.perf_counter() - start) / STEPS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    # As the server runs: with the fast BLAS preloaded.
+    maybe_reexec_with_fast_blas()
+    engine = load_engine()
+
+    def measure(model, options):
+        rng = random.Random(3)
+        prompts = [
+            tuple(rng.randrange(100, 40000) for _ in range(DEPTH)) for _ in range(2)
+        ]
+        out = {name: [] for name in SIDES}
+        for round_ in range(args.rounds):
+            names = list(SIDES) if round_ % 2 == 0 else list(reversed(SIDES))
+            for name in names:
+                paged, fields = SIDES[name]
+                o = replace(options, **fields)
+                if paged:
+                    decoder = PagedDecoder(model, o, paged_layers(model, o))
+                else:
+                    decoder = BatchDecoder(model, o, True)
+                out[name].append(step_seconds(decoder, model, o, prompts))
+                decoder.close()
+        return out
+
+    out = on_engine_thread(engine, measure)
+    engine.shutdown()
+    for name, runs in out.items():
+        cells = " / ".join(f"{s * 1e3:.1f}" for s in runs)
+        print(
+            f"{name}: ms a step per round {cells}; "
+            f"median {statistics.median(runs) * 1e3:.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
