@@ -367,7 +367,7 @@ class PagedDecoder(Decoder):
             if not sampling:
                 # Prompt chunks alone: their KV is the step's whole result.
                 (self._body or self._model)(tokens[None], cache=views)
-                mx.async_eval(self._kv.keys, self._kv.values)
+                mx.async_eval(self._kv.planes)
                 return None
             logits = self._forward(tokens, views, mx.array(ends, dtype=mx.int32))
             starts = [s.start for s in segments[: len(decoding)]]
