@@ -1,6 +1,8 @@
 """Part 16 of ``make bench``: one forward pass per step over paged KV
 (``paged:true``) beside the batch decoder (``paged:false``), side by side.
 
+Both sides run with speculation off (part 6 measures it).
+
 1. Part 11's long-prompt scenario (``bench/admission.py``) with streams that
    decode through the whole prefill, as on a server that is never idle: on each
    side a lone stream's inter-token time and the long prompt's time to first token
@@ -40,7 +42,13 @@ from bench.model_families import varied_text
 
 logger = logging.getLogger(__name__)
 
-SIDES = {"paged": ("paged:true",), "batch": ("paged:false",)}
+# Speculation off on both sides: the streams' looping greedy text would let the
+# paged decoder's rows verify n-gram proposals, and streams sized from a lone
+# stream's pace would then end before the prompt (part 6 measures speculation).
+SIDES = {
+    "paged": ("paged:true", "speculative:off"),
+    "batch": ("paged:false", "speculative:off"),
+}
 CONTEXT_SIZE = 8192
 PACE_TOKENS = 64
 # Issue 68's goals, every run.
@@ -223,7 +231,7 @@ def lines_of(
 ) -> list[str]:
     lines = [
         f"16. one pass over paged KV ({', '.join(paged)}) beside the batch decoder "
-        f"(paged:false): a {LONG_TOKENS}-token prompt {BEFORE_S:g} s after 2 streams "
+        f"({', '.join(SIDES['batch'])}): a {LONG_TOKENS}-token prompt {BEFORE_S:g} s after 2 streams "
         "began, a one-line request 0.5 s later; the streams decode through the "
         "whole prefill (tokens: 4 s plus twice the prompt's time alone, at a lone "
         f"stream's pace); ContextSize {CONTEXT_SIZE}, greedy, EOS banned",

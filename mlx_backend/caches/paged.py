@@ -308,7 +308,7 @@ class PagedKV:
             self.retain(pages[:full])
             return pages
         if isinstance(first, PagedPrefix):
-            cache = [layer.to_kv_cache() for layer in cache]
+            cache = [layer.to_kv_cache(exact=True) for layer in cache]
         pages = self.allocate(pages_for(length))
         try:
             self.load(pages, cache, length)
@@ -322,17 +322,24 @@ class PagedKV:
         at = np.arange(length, dtype=np.int32)
         writes = _writes(_slots(pages, at), self.arena_pages)
         for layer, c in enumerate(cache):
-            shape = self.shapes[layer]
-            if shape.bits is not None and getattr(c, "bits", None) == shape.bits:
+            shape, bits = self.shapes[layer], getattr(c, "bits", None)
+            keys, values = c.keys, c.values
+            if bits is not None and (bits, c.group_size) == (
+                shape.bits,
+                shape.group_size,
+            ):
                 # Quantized alike: its codes, scales and biases as they are.
-                parts = [x[..., :length, :] for x in (*c.keys, *c.values)]
+                parts = [x[..., :length, :] for x in (*keys, *values)]
                 parts[1:3] = [x.astype(mx.float32) for x in parts[1:3]]
                 parts[4:] = [x.astype(mx.float32) for x in parts[4:]]
                 self._write_planes(layer, writes, parts)
-            else:
-                self.write(
-                    layer, writes, c.keys[..., :length, :], c.values[..., :length, :]
+                continue
+            if bits is not None:
+                keys, values = (
+                    mx.dequantize(*x, group_size=c.group_size, bits=bits)
+                    for x in (keys, values)
                 )
+            self.write(layer, writes, keys[..., :length, :], values[..., :length, :])
 
     def _copy_page(self, source: int, target: int) -> None:
         (sa, s), (ta, t) = divmod(source, self.arena_pages), divmod(
@@ -410,20 +417,23 @@ class PagedPrefix:
     def __deepcopy__(self, memo) -> "PagedPrefix":
         return PagedPrefix(self.lease, self.layer, self.offset)
 
-    def to_kv_cache(self) -> KVCache:
+    def to_kv_cache(self, exact: bool = False) -> KVCache:
         """A copy of its tokens as mlx-lm's cache (a prompt file, a Score job):
-        a quantized layer's as the project's ``QuantizedKVCache``."""
+        a quantized layer's as the project's ``QuantizedKVCache``. In the model's
+        dtype, or (``exact``, for another store's pages) in the pages' own."""
         shape = self.lease.kv.shapes[self.layer]
         pages = self.lease.pages[: pages_for(self.offset)]
         keys, values = self.lease.kv.read(self.layer, pages, self.offset)
+        dtype = None if exact else shape.dtype
         if shape.bits is None:
             cache = KVCache()
-            dtype = shape.dtype
-            cache.state = (keys.astype(dtype), values.astype(dtype), self.offset)
+            if dtype is not None:
+                keys, values = keys.astype(dtype), values.astype(dtype)
+            cache.state = (keys, values, self.offset)
             return cache
         cache = QuantizedKVCache(group_size=shape.group_size, bits=shape.bits)
         cache.keys, cache.values = (
-            (x[0], *(part.astype(shape.dtype) for part in x[1:]))
+            (x[0], *(p if dtype is None else p.astype(dtype) for p in x[1:]))
             for x in (keys, values)
         )
         cache.offset = self.offset

@@ -28,6 +28,7 @@ from mlx_backend.caches.paged_attention import (
     install_paged_ops,
     quantized_arenas,
 )
+from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.cpu.kernels import fast_ops
 
 SHAPE = LayerShape(kv_heads=2, key_dims=16, value_dims=16, dtype=mx.float32)
@@ -312,11 +313,15 @@ def test_quantized_pages_attend_as_their_gathered_dequantized_keys_do(
     assert kernel_error(qmm, q, kv, layout, sink, window) < 2e-5
 
 
-def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quantizes():
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quantizes(
+    dtype,
+):
     """A quantized layer's pages hold ``mx.quantize``'s triple of what was written;
     a kept state copied out is the project's ``QuantizedKVCache`` with the same
-    codes, and loaded back into new pages it reads the same."""
-    shape = LayerShape(2, 64, 64, mx.float32, bits=8, group_size=32)
+    codes (scales in the model's dtype); another store takes it from the pages
+    exactly, and a state in other groups is requantized from its values."""
+    shape = LayerShape(2, 64, 64, dtype, bits=8, group_size=32)
     kv = PagedKV([shape], arena_pages=2)
     pages = kv.allocate(2)
     keys = mx.random.normal((1, 2, 45, 64), key=mx.random.key(21))
@@ -330,11 +335,22 @@ def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quant
     (prefix,) = kv.prefix(pages, 45)
     cache = prefix.to_kv_cache()
     assert (cache.bits, cache.group_size, cache.offset) == (8, 32, 45)
-    assert all(mx.array_equal(a, b) for a, b in zip(cache.keys, got_keys))
+    assert mx.array_equal(cache.keys[0], got_keys[0])
+    assert cache.keys[1].dtype == dtype
+    expected = kv.read_float(0, pages, 45)
     other = PagedKV([shape], arena_pages=2)
-    loaded = other.take([cache], 45)
-    for a, b in zip(other.read_float(0, loaded, 45), kv.read_float(0, pages, 45)):
-        assert mx.array_equal(a, b)
+    for source in ([prefix], [cache]):
+        loaded = other.take(source, 45)
+        exact = source[0] is prefix or dtype == mx.float32
+        for a, b in zip(other.read_float(0, loaded, 45), expected):
+            assert mx.array_equal(a, b) or not exact
+            assert mx.allclose(a, b, atol=0.05).item()
+    # A state quantized in groups of 64 goes in dequantized, then in groups of 32.
+    coarse = QuantizedKVCache(group_size=64, bits=8)
+    coarse.update_and_fetch(keys, values)
+    loaded = other.take([coarse], 45)
+    for a, x in zip(other.read_float(0, loaded, 45), (keys, values)):
+        assert mx.allclose(a, x, atol=0.05).item()
     # 64 one-byte codes, and two groups' float32 scale and bias, per token and head.
     assert kv.page_nbytes == PAGE_TOKENS * 2 * 2 * (64 + 2 * 2 * 4)
 

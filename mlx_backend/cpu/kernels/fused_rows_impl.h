@@ -597,12 +597,12 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
     // (a page's rows of one head are strided: the prefetchers miss them).
     if (first.pages != nullptr && j0 + KEYS_BLOCK < keys) {
       int page = first.pages[j0 / KEYS_BLOCK + 1];
-      int arena = page / first.arena_pages;
-      int64_t local = page % first.arena_pages;
-      const char* nk = reinterpret_cast<const char*>(first.k_arenas[arena]) +
-          (local * first.k_page_stride + first.k_head) * width;
-      const char* nv = reinterpret_cast<const char*>(first.v_arenas[arena]) +
-          (local * first.v_page_stride + first.v_head) * width;
+      int next_arena = page / first.arena_pages;
+      int64_t next_local = page % first.arena_pages;
+      const char* nk = reinterpret_cast<const char*>(first.k_arenas[next_arena]) +
+          (next_local * first.k_page_stride + first.k_head) * width;
+      const char* nv = reinterpret_cast<const char*>(first.v_arenas[next_arena]) +
+          (next_local * first.v_page_stride + first.v_head) * width;
       // Quantized rows are narrower than dims bytes (8 bits at most).
       int64_t k_row = quantized ? dims * first.bits / 8 : dims * width;
       int64_t v_row = quantized ? value_dims * first.bits / 8 : value_dims * width;
@@ -622,7 +622,7 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
               {first.v_scale_arenas, first.v_scale_stride},
               {first.v_bias_arenas, first.v_scale_stride}}) {
           const char* at = reinterpret_cast<const char*>(
-              arenas[arena] + local * stride * KEYS_BLOCK);
+              arenas[next_arena] + next_local * stride * KEYS_BLOCK);
           for (int64_t b = 0; b < stride * KEYS_BLOCK * 4; b += 64) {
             __builtin_prefetch(at + b);
           }
