@@ -9,16 +9,13 @@ A step's time is the wall time of ``Decoder.step`` over 60 steps once both
 streams decode (steps overlap the host, so it is the device's pace).
 """
 
-import argparse
 import random
 import statistics
 import time
 from dataclasses import replace
 
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
-from mlx_backend.decoders.batch import BatchDecoder
-from mlx_backend.decoders.paged import PagedDecoder, paged_layers
-from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
+from bench.in_process import make_decoder, run_rounds
+from tests.engine_helpers import new_sequence
 
 DEPTH = 1800
 STEPS = 60
@@ -45,35 +42,23 @@ def step_seconds(decoder, model, options, prompts) -> float:
     return (time.perf_counter() - start) / STEPS
 
 
+def measure(model, options, rounds: int) -> dict:
+    rng = random.Random(3)
+    prompts = [tuple(rng.randrange(100, 40000) for _ in range(DEPTH)) for _ in range(2)]
+    out = {name: [] for name in SIDES}
+    for round_ in range(rounds):
+        names = list(SIDES) if round_ % 2 == 0 else list(reversed(SIDES))
+        for name in names:
+            paged, fields = SIDES[name]
+            o = replace(options, **fields)
+            decoder = make_decoder(paged, model, o)
+            out[name].append(step_seconds(decoder, model, o, prompts))
+            decoder.close()
+    return out
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    # As the server runs: with the fast BLAS preloaded.
-    maybe_reexec_with_fast_blas()
-    engine = load_engine()
-
-    def measure(model, options):
-        rng = random.Random(3)
-        prompts = [
-            tuple(rng.randrange(100, 40000) for _ in range(DEPTH)) for _ in range(2)
-        ]
-        out = {name: [] for name in SIDES}
-        for round_ in range(args.rounds):
-            names = list(SIDES) if round_ % 2 == 0 else list(reversed(SIDES))
-            for name in names:
-                paged, fields = SIDES[name]
-                o = replace(options, **fields)
-                if paged:
-                    decoder = PagedDecoder(model, o, paged_layers(model, o))
-                else:
-                    decoder = BatchDecoder(model, o, True)
-                out[name].append(step_seconds(decoder, model, o, prompts))
-                decoder.close()
-        return out
-
-    out = on_engine_thread(engine, measure)
-    engine.shutdown()
+    out = run_rounds(__doc__, measure)
     for name, runs in out.items():
         cells = " / ".join(f"{s * 1e3:.1f}" for s in runs)
         print(

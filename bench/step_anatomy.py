@@ -9,7 +9,6 @@ prompt being prefilled, in alternating rounds.
 Nodes are counted on the first graph a step queues (``mx.export_to_dot``).
 """
 
-import argparse
 import random
 import statistics
 import time
@@ -18,10 +17,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from bench.cpu_step import graph_nodes
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
-from mlx_backend.decoders.batch import BatchDecoder
-from mlx_backend.decoders.paged import PagedDecoder, paged_layers
-from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
+from bench.in_process import make_decoder, run_rounds
+from tests.engine_helpers import new_sequence
 
 STEPS = 40
 PROMPT = 3000
@@ -73,32 +70,23 @@ def anatomy(decoder, model, options, scenario: str) -> dict:
     }
 
 
+def measure(model, options, rounds: int) -> dict:
+    out = {}
+    for round_ in range(rounds):
+        sides = (True, False) if round_ % 2 == 0 else (False, True)
+        for scenario in SCENARIOS:
+            for paged in sides:
+                decoder = make_decoder(paged, model, options)
+                figures = anatomy(decoder, model, options, scenario)
+                out.setdefault((scenario, "paged" if paged else "batch"), []).append(
+                    figures
+                )
+                decoder.close()
+    return out
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    maybe_reexec_with_fast_blas()
-    engine = load_engine()
-
-    def measure(model, options):
-        out = {}
-        for round_ in range(args.rounds):
-            sides = ("paged", "batch") if round_ % 2 == 0 else ("batch", "paged")
-            for scenario in SCENARIOS:
-                for side in sides:
-                    if side == "paged":
-                        decoder = PagedDecoder(
-                            model, options, paged_layers(model, options)
-                        )
-                    else:
-                        decoder = BatchDecoder(model, options, True)
-                    figures = anatomy(decoder, model, options, scenario)
-                    out.setdefault((scenario, side), []).append(figures)
-                    decoder.close()
-        return out
-
-    out = on_engine_thread(engine, measure)
-    engine.shutdown()
+    out = run_rounds(__doc__, measure)
     print(
         "scenario                 decoder  nodes  engine CPU ms  in async_eval ms"
         "  wall ms a step (per round)"
