@@ -281,10 +281,7 @@ class PagedKV:
         keys, values = self.read(layer, pages, length)
         if shape.bits is None:
             return keys, values
-        return tuple(
-            mx.dequantize(*x, group_size=shape.group_size, bits=shape.bits)
-            for x in (keys, values)
-        )
+        return _dequantized(keys, values, shape.group_size, shape.bits)
 
     def prefix(self, pages: Sequence[int], length: int) -> list["PagedPrefix"]:
         """The first ``length`` tokens of a table of ``pages`` as a KV state of
@@ -328,17 +325,17 @@ class PagedKV:
                 shape.bits,
                 shape.group_size,
             ):
-                # Quantized alike: its codes, scales and biases as they are.
+                # Quantized alike: its codes as they are, scales and biases
+                # in float32 (every third part from the first is codes).
                 parts = [x[..., :length, :] for x in (*keys, *values)]
-                parts[1:3] = [x.astype(mx.float32) for x in parts[1:3]]
-                parts[4:] = [x.astype(mx.float32) for x in parts[4:]]
+                parts = [
+                    x if i % 3 == 0 else x.astype(mx.float32)
+                    for i, x in enumerate(parts)
+                ]
                 self._write_planes(layer, writes, parts)
                 continue
             if bits is not None:
-                keys, values = (
-                    mx.dequantize(*x, group_size=c.group_size, bits=bits)
-                    for x in (keys, values)
-                )
+                keys, values = _dequantized(keys, values, c.group_size, bits)
             self.write(layer, writes, keys[..., :length, :], values[..., :length, :])
 
     def _copy_page(self, source: int, target: int) -> None:
@@ -370,6 +367,13 @@ def layer_page_nbytes(shape: LayerShape) -> int:
     """Bytes of one page of one layer, keys and values."""
     row = sum(width * dtype.size for width, dtype in shape.planes)
     return PAGE_TOKENS * shape.kv_heads * row
+
+
+def _dequantized(keys, values, group_size: int, bits: int) -> tuple[mx.array, ...]:
+    """Keys and values given as ``mx.quantize`` triples, as floats."""
+    return tuple(
+        mx.dequantize(*x, group_size=group_size, bits=bits) for x in (keys, values)
+    )
 
 
 def _quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, ...]:

@@ -632,24 +632,37 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
     const float* values = reinterpret_cast<const float*>(v);
     int64_t v_stride = first.v_stride;
     if (quantized) {
-      int64_t k_at = local * first.k_scale_stride * KEYS_BLOCK + first.k_scale_head;
-      int64_t v_at = local * first.v_scale_stride * KEYS_BLOCK + first.v_scale_head;
-      QuantizedBlock kq{
-          reinterpret_cast<const uint8_t*>(k),
+      // This page's block of one head: codes, and its scales and biases.
+      auto block = [&](const char* codes,
+                       int64_t stride,
+                       const float* const* scales,
+                       const float* const* biases,
+                       int64_t scale_stride,
+                       int64_t head) {
+        int64_t at = local * scale_stride * KEYS_BLOCK + head;
+        return QuantizedBlock{
+            reinterpret_cast<const uint8_t*>(codes),
+            stride,
+            scales[arena] + at,
+            biases[arena] + at,
+            scale_stride,
+            first.bits,
+            first.group_size};
+      };
+      QuantizedBlock kq = block(
+          k,
           first.k_stride,
-          first.k_scale_arenas[arena] + k_at,
-          first.k_bias_arenas[arena] + k_at,
+          first.k_scale_arenas,
+          first.k_bias_arenas,
           first.k_scale_stride,
-          first.bits,
-          first.group_size};
-      QuantizedBlock vq{
-          reinterpret_cast<const uint8_t*>(v),
+          first.k_scale_head);
+      QuantizedBlock vq = block(
+          v,
           first.v_stride,
-          first.v_scale_arenas[arena] + v_at,
-          first.v_bias_arenas[arena] + v_at,
+          first.v_scale_arenas,
+          first.v_bias_arenas,
           first.v_scale_stride,
-          first.bits,
-          first.group_size};
+          first.v_scale_head);
       transpose_quantized_block(kq, n, dims, kb, kt);
       dequantize_block(vq, n, value_dims, vb);
       values = vb;
