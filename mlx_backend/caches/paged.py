@@ -164,8 +164,9 @@ class PagedKV:
 
     def __init__(self, shapes: Sequence[LayerShape], arena_pages: int | None = None):
         self.shapes = tuple(shapes)
+        # A model of recurrent layers alone has pages of no bytes.
         self.arena_pages = arena_pages or max(
-            MIN_ARENA_PAGES, ARENA_BYTES // self.page_nbytes
+            MIN_ARENA_PAGES, ARENA_BYTES // (self.page_nbytes or ARENA_BYTES)
         )
         # Per layer, per plane (LayerShape.planes), its arenas.
         self.planes: list[list[list[mx.array]]] = [
@@ -294,6 +295,8 @@ class PagedKV:
         A ``PagedPrefix`` of this store lends its full pages, and the page the
         table's owner writes next is copied; mlx-lm caches (or another store's
         pages) are loaded into new pages."""
+        if not self.shapes:
+            return self.allocate(pages_for(length))
         first = cache[0]
         if isinstance(first, PagedPrefix) and first.lease.kv is self:
             pages = list(first.lease.pages[: pages_for(length)])

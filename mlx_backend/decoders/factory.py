@@ -10,6 +10,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from mlx_backend.caches.kinds import layer_kind
 from mlx_backend.caches.paged import LayerShape
+from mlx_backend.caches.recurrent import RecurrentShape
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.measured import measured_once
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 class PagedChoice:
     """Whether the paged pass serves a model: its layers' shapes, or why not."""
 
-    shapes: tuple[LayerShape, ...] = ()
+    shapes: tuple[LayerShape | RecurrentShape, ...] = ()
     why_not: str = ""
 
 
@@ -47,6 +48,14 @@ def choose_paged(model: nn.Module, options: LoadOptions) -> PagedChoice:
     except NotPaged as e:
         logger.info("the paged pass is off: %s", e)
         return PagedChoice(why_not=f"the paged pass can't serve this model: {e}")
+    recurrent = any(isinstance(s, RecurrentShape) for s in shapes)
+    if recurrent and speculates(options):
+        why = (
+            "its recurrent layers can't yet take back a verification's rejected "
+            "proposals on pages (speculative:off runs it on pages)"
+        )
+        logger.info("the paged pass is off: %s", why)
+        return PagedChoice(why_not=f"the paged pass can't serve this model: {why}")
     logger.info("one forward pass per step over paged KV")
     return PagedChoice(tuple(shapes))
 
@@ -92,6 +101,11 @@ def refuse_kv_dtype(options: LoadOptions, why_not: str) -> None:
         )
 
 
+def speculates(options: LoadOptions) -> bool:
+    """Whether the options leave speculative decoding on."""
+    return options.speculative != "off" and options.num_draft_tokens != 0
+
+
 def use_paged(options: LoadOptions) -> bool:
     """Whether the options ask for the paged pass: ``paged``, where "auto" is on
     the CPU (on a GPU it waits for a lent device's measurement)."""
@@ -116,7 +130,7 @@ def make_decoder(
     inner = make_plain_decoder(model, options, pace, budget, paged)
     kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
     why = None
-    if options.speculative == "off" or options.num_draft_tokens == 0:
+    if not speculates(options):
         why = "turned off by the options"
     elif "other" in kinds:
         why = "the KV cache has layers it can neither trim nor hold"

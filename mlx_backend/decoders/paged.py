@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, TokenBuffer
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, TokenBuffer
 
 from mlx_backend.caches.paged import (
     LayerShape,
@@ -41,6 +41,15 @@ from mlx_backend.caches.paged import (
 )
 from mlx_backend.caches.paged_attention import install_paged_ops
 from mlx_backend.caches.quantized_kv import QuantizedKVCache
+from mlx_backend.caches.recurrent import (
+    RecurrentLayer,
+    RecurrentLayout,
+    RecurrentShape,
+    State,
+    fresh_state,
+    install_recurrent_ops,
+    recurrent_mixers,
+)
 from mlx_backend.decoders.base import (
     Capabilities,
     Decoder,
@@ -97,6 +106,8 @@ class _Row:
     draft_tokens: int = 0
     history: int = 0
     unverified: int = 0
+    # Each recurrent layer's state after its tokens (lazy while a pass runs).
+    states: list[State] = field(default_factory=list)
 
     @property
     def held(self) -> int:
@@ -114,8 +125,8 @@ class _Row:
 class _Queued:
     """A step queued on the device: the rows that sampled, the proposals each
     verifies, their tokens and log probabilities (lazy: a row's positions in
-    turn), its work (decode rows, and prompt chunks), and whether it was queued
-    before the last step was read (its time then is the device's alone)."""
+    turn), its work (decode rows, and prompt chunks), and whether it was planned
+    after the last step was read (its time then counts the host's planning)."""
 
     rows: tuple[_Row, ...]
     drafts: tuple[tuple[int, ...], ...]
@@ -123,7 +134,7 @@ class _Queued:
     logprobs: mx.array
     decode_work: PassWork
     chunk_work: PassWork
-    overlapped: bool = True
+    read_first: bool = False
 
     @property
     def verifies(self) -> bool:
@@ -151,7 +162,7 @@ class PagedDecoder(Decoder):
         self,
         model: nn.Module,
         options: LoadOptions,
-        shapes: list[LayerShape],
+        shapes: list[LayerShape | RecurrentShape],
         budget: StepBudget = NO_STEP_BUDGET,
     ):
         install_paged_ops()
@@ -164,7 +175,10 @@ class PagedDecoder(Decoder):
             batching=True, trimmable_cache=True, prefix_snapshots=True
         )
         self.pacer = PassPacer(budget, options.prefill_step_size)
-        self._kv = PagedKV(shapes)
+        # Each model layer's place among the paged ones, or among the recurrent.
+        self._places = places(shapes)
+        self._recurrent = [s for s in shapes if isinstance(s, RecurrentShape)]
+        self._kv = PagedKV(paged_shapes(shapes))
         self._rows: dict[int, _Row] = {}
         self._next_key = 0
         self._queued: _Queued | None = None
@@ -211,6 +225,7 @@ class PagedDecoder(Decoder):
             sequence.cancelled,
             prompt=list(rest),
             snapshots=sorted(n for n in set(sequence.snapshots) if n > reused),
+            states=[fresh_state(s.size) for s in self._recurrent],
         )
         if row.processors:
             # Penalties look back over the prompt, cached part included.
@@ -219,9 +234,21 @@ class PagedDecoder(Decoder):
             row.draft = DraftRow(self._make_proposer())
             row.draft_tokens, row.history = sequence.draft_tokens, sequence.history
         if reused:
+            paged = [
+                c
+                for c, s in zip(sequence.kv_cache, self._shapes)
+                if isinstance(s, LayerShape)
+            ]
             # On the steps' stream: the writes and copies keep the steps' order.
             with mx.stream(thread_stream()):
-                row.pages = self._kv.take(sequence.kv_cache, reused)
+                row.pages = self._kv.take(paged, reused)
+            # A recurrent layer's state is its whole (the prompt cache reuses
+            # such a state only where it ends).
+            row.states = [
+                tuple(c.cache)
+                for c, s in zip(sequence.kv_cache, self._shapes)
+                if isinstance(s, RecurrentShape)
+            ]
             row.tokens = list(sequence.prompt[:reused])
         self._rows[key] = row
         return key
@@ -258,15 +285,30 @@ class PagedDecoder(Decoder):
         # A queued pass's proposals are not the sequence's (yet).
         held = row.held - row.unverified
         if keep_state and held:
-            state = KVState(self._kv.prefix(row.pages, held), row.tokens[:held])
+            state = self._kept(row, held)
         self._kv.release(row.pages)
         return state
+
+    def _kept(self, row: _Row, length: int) -> KVState:
+        """``row``'s first ``length`` tokens as a KV state: its pages held, its
+        recurrent layers' states as mlx-lm's (those are at its last token)."""
+        pages = self._kv.prefix(row.pages, length)
+        layers = []
+        for paged, place in self._places:
+            if paged:
+                layers.append(pages[place])
+                continue
+            cache = ArraysCache(self._recurrent[place].size)
+            cache.cache = list(row.states[place])
+            layers.append(cache)
+        return KVState(layers, row.tokens[:length])
 
     def kv_nbytes(self) -> int:
         # The sequences' own pages: those only kept states hold are the prompt
         # cache's bytes.
         pages = {page for row in self._rows.values() for page in row.pages}
-        return len(pages) * self._kv.page_nbytes
+        states = sum(s.nbytes for s in self._recurrent) * len(self._rows)
+        return len(pages) * self._kv.page_nbytes + states
 
     def pages_nbytes(self) -> int:
         """Bytes of every page held: its sequences' and their kept states'."""
@@ -287,7 +329,7 @@ class PagedDecoder(Decoder):
         self._last_read = None
         # A failed step's writes may be in its arenas: its kept states go unused.
         self._kv.closed = True
-        self._kv = PagedKV(self._shapes)
+        self._kv = PagedKV(paged_shapes(self._shapes))
 
     # -- a step ----------------------------------------------------------------
 
@@ -334,23 +376,29 @@ class PagedDecoder(Decoder):
             picks = mx.array([last[r.key] for r in decoding], dtype=mx.int32)
             inputs.append(queued.tokens[picks].astype(mx.uint32))
         rows = self._work(segments)
-        sizes = self.pacer.chunks(rows, [(r.held, len(r.prompt)) for r in prompts])
+        sizes = self.pacer.chunks(
+            rows, [(r.held, len(r.prompt)) for r in prompts], read
+        )
         # The rows that sample this step: decoding ones, then prompts' last chunks.
         sampling = list(decoding)
         decoded = rows.tokens
+        # The rows that prefill a chunk, and the prompt lengths to snapshot.
+        chunked, snapshots = [], []
         for row, size in zip(prompts, sizes):
             if not size:
                 break
+            if self._recurrent and row.snapshots:
+                # A recurrent state is a chunk's end: one ends at each snapshot.
+                size = min(size, row.snapshots[0] - row.held)
             part = row.prompt[:size]
             start = decoded + len(chunk)
             segments.append(self._extend(row, start, len(part), row.held + len(part)))
+            chunked.append(row)
             chunk += part
             row.tokens += part
             del row.prompt[: len(part)]
             while row.snapshots and row.snapshots[0] <= row.held:
-                n = row.snapshots.pop(0)
-                state = KVState(self._kv.prefix(row.pages, n), row.tokens[:n])
-                self._snapshots.setdefault(row.key, []).append(state)
+                snapshots.append((row, row.snapshots.pop(0)))
             if not row.prompt:
                 sampling.append(row)
                 drafts.append(())
@@ -363,18 +411,22 @@ class PagedDecoder(Decoder):
         # Another load in this process may have routed ``mx.fast`` since.
         install_paged_ops()
         with mx.stream(thread_stream()):
-            views = [PagedLayer(self._kv, i, layout) for i in range(len(self._shapes))]
+            views = self._views(layout, segments, decoding, chunked)
             if not sampling:
                 # Prompt chunks alone: their KV is the step's whole result.
                 (self._body or self._model)(tokens[None], cache=views)
-                mx.async_eval(self._kv.planes)
+                states = self._took_states(views, decoding + chunked)
+                self._take_snapshots(snapshots)
+                mx.async_eval(self._kv.planes, states)
                 return None
             logits = self._forward(tokens, views, mx.array(ends, dtype=mx.int32))
+            states = self._took_states(views, decoding + chunked)
+            self._take_snapshots(snapshots)
             starts = [s.start for s in segments[: len(decoding)]]
             sampled, logprobs, contexts = self._sample(
                 logits, sampling, drafts, tokens, starts
             )
-            mx.async_eval(sampled, logprobs, contexts)
+            mx.async_eval(sampled, logprobs, contexts, states)
         return _Queued(
             tuple(sampling),
             tuple(tuple(d) for d in drafts),
@@ -382,8 +434,41 @@ class PagedDecoder(Decoder):
             logprobs,
             rows,
             self._work(segments[len(decoding) :]),
-            overlapped=not read,
+            read_first=read,
         )
+
+    def _views(self, layout, segments, decoding, chunked) -> list:
+        """Each layer's cache for the step: its pages, or the recurrent states
+        of its segments (the decoding rows', then the chunks')."""
+        if self._recurrent:
+            runs = RecurrentLayout(
+                len(decoding),
+                tuple((s.start, s.tokens) for s in segments[len(decoding) :]),
+            )
+        views = []
+        for paged, place in self._places:
+            if paged:
+                views.append(PagedLayer(self._kv, place, layout))
+                continue
+            states = [r.states[place] for r in decoding + chunked]
+            views.append(RecurrentLayer(runs, states, self._recurrent[place].size))
+        return views
+
+    def _took_states(self, views: list, rows: list[_Row]) -> list[mx.array]:
+        """The rows' recurrent states after the step's pass (lazy: queued with
+        it, so that no state's graph outlives its step)."""
+        arrays = []
+        for view, (_, place) in zip(views, self._places):
+            if isinstance(view, RecurrentLayer):
+                for row, state in zip(rows, view.new_states):
+                    row.states[place] = state
+                    arrays += [a for a in state if a is not None]
+        return arrays
+
+    def _take_snapshots(self, snapshots: list[tuple[_Row, int]]) -> None:
+        """Kept states of prompts' first tokens, reported with the step's results."""
+        for row, n in snapshots:
+            self._snapshots.setdefault(row.key, []).append(self._kept(row, n))
 
     def _drafts(self, decoding: list[_Row]) -> list[list[int]]:
         """The proposals each decoding row verifies this step (most empty)."""
@@ -537,10 +622,12 @@ class PagedDecoder(Decoder):
             return results
         tokens = queued.tokens.tolist()
         now = time.perf_counter()
-        if self._last_read is not None and queued.overlapped:
-            # A step queued after the last was read also timed the host's work.
+        if self._last_read is not None:
             self.pacer.observe(
-                now - self._last_read, queued.decode_work, queued.chunk_work
+                now - self._last_read,
+                queued.decode_work,
+                queued.chunk_work,
+                queued.read_first,
             )
         self._last_read = now
         made = {}
@@ -668,10 +755,27 @@ def layer_shape(cache, page_dtype: mx.Dtype | None) -> LayerShape:
     )
 
 
-def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
-    """Each attention layer's KV rows, once a probe found that a pass over pages
-    gives mlx-lm's logits (a prompt chunk, then a decode token); raises
-    ``NotPaged`` with the reason otherwise."""
+def places(shapes) -> list[tuple[bool, int]]:
+    """Each model layer's place: (True, its index among the paged layers) or
+    (False, its index among the recurrent ones)."""
+    out, counts = [], [0, 0]
+    for shape in shapes:
+        paged = isinstance(shape, LayerShape)
+        out.append((paged, counts[paged]))
+        counts[paged] += 1
+    return out
+
+
+def paged_shapes(shapes) -> list[LayerShape]:
+    return [s for s in shapes if isinstance(s, LayerShape)]
+
+
+def paged_layers(
+    model: nn.Module, options: LoadOptions
+) -> list[LayerShape | RecurrentShape]:
+    """Each layer's KV rows (or a recurrent layer's state), once a probe found
+    that a pass over pages gives mlx-lm's logits (a prompt chunk, then a decode
+    token); raises ``NotPaged`` with the reason otherwise."""
     if options.max_kv_size is not None:
         raise NotPaged("max_kv_size keeps only a sequence's last tokens")
     if options.kv_bits is not None and options.quantized_kv_start:
@@ -682,12 +786,13 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
     cache = make_kv_cache(model, options)
     # A model's sliding windows (rotating layers that keep no first tokens) run
     # on pages, the window as attention's mask (make_mask); quantized layers
-    # (kv_bits) on quantized pages.
+    # (kv_bits) on quantized pages; recurrent layers (linear attention, Mamba,
+    # short convolutions) from each sequence's state.
     others = sorted(
         {
             type(c).__name__
             for c in cache
-            if type(c) not in (KVCache, QuantizedKVCache)
+            if type(c) not in (KVCache, QuantizedKVCache, ArraysCache)
             and not (type(c) is RotatingKVCache and c.keep == 0)
         }
     )
@@ -695,6 +800,18 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
         raise NotPaged(f"its KV cache has {', '.join(others)} layers")
     tokens = mx.array(PROBE_TOKENS, dtype=mx.uint32)
     n = len(PROBE_TOKENS)
+    mixers = {}
+    if any(isinstance(c, ArraysCache) for c in cache):
+        mixers = recurrent_mixers(
+            model, make_kv_cache(model, options), tokens[None, :1]
+        )
+        missing = [
+            i
+            for i, c in enumerate(cache)
+            if isinstance(c, ArraysCache) and i not in mixers
+        ]
+        if missing:
+            raise NotPaged(f"no one module runs its recurrent layer {missing[0]}")
     want = [
         model(tokens[None, : n - 1], cache=cache)[0, -1],
         model(tokens[None, n - 1 :], cache=cache)[0, -1],
@@ -703,20 +820,39 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
     # kv_dtype, else the float type CacheTypeKey/Value name, else the model's.
     wanted = options.kv_dtype if options.kv_dtype != "auto" else options.cache_float
     page_dtype = getattr(mx, wanted) if wanted else None
-    shapes = [layer_shape(c, page_dtype) for c in cache]
+    shapes = [
+        (
+            RecurrentShape(len(c.cache), _state_nbytes(c))
+            if isinstance(c, ArraysCache)
+            else layer_shape(c, page_dtype)
+        )
+        for c in cache
+    ]
     install_paged_ops()
-    kv = PagedKV(shapes, arena_pages=1)
+    install_recurrent_ops(set(mixers.values()))
+    kv = PagedKV(paged_shapes(shapes), arena_pages=1)
     pages = tuple(kv.allocate(1))
+    states = [fresh_state(s.size) for s in shapes if isinstance(s, RecurrentShape)]
     try:
         got = []
-        for segment, part in (
-            (Segment(0, n - 1, n - 1, pages), tokens[: n - 1]),
-            (Segment(0, 1, n, pages), tokens[n - 1 :]),
+        for segment, part, runs in (
+            (
+                Segment(0, n - 1, n - 1, pages),
+                tokens[: n - 1],
+                RecurrentLayout(0, ((0, n - 1),)),
+            ),
+            (Segment(0, 1, n, pages), tokens[n - 1 :], RecurrentLayout(1, ())),
         ):
             layout = kv.layout([segment])
-            views = [PagedLayer(kv, i, layout) for i in range(len(shapes))]
+            views = []
+            for (paged, place), shape in zip(places(shapes), shapes):
+                if paged:
+                    views.append(PagedLayer(kv, place, layout))
+                else:
+                    views.append(RecurrentLayer(runs, [states[place]], shape.size))
             got.append(model(part[None], cache=views)[0, -1])
-            mx.eval(got)
+            states = [v.new_states[0] for v in views if isinstance(v, RecurrentLayer)]
+            mx.eval(got, states)
     except Exception as e:
         raise NotPaged(f"its attention fails over pages ({type(e).__name__})")
     for mine, theirs in zip(got, want):
@@ -724,9 +860,16 @@ def paged_layers(model: nn.Module, options: LoadOptions) -> list[LayerShape]:
         # Narrower pages round the KV: within 1% of the logits' range then (the
         # embedded model's float16 pages: 0.13 at 33).
         atol = 1e-2
-        narrower = page_dtype is not None and page_dtype.size < shapes[0].dtype.size
+        narrower = any(
+            page_dtype is not None and page_dtype.size < s.dtype.size
+            for s in paged_shapes(shapes)
+        )
         if narrower or options.kv_bits is not None:
             atol *= max(mx.max(mx.abs(theirs)).item(), 1.0)
         if not mx.allclose(mine, theirs, rtol=1e-2, atol=atol).item():
             raise NotPaged("a pass over pages does not give the model's logits")
     return shapes
+
+
+def _state_nbytes(cache: ArraysCache) -> int:
+    return sum(a.nbytes for a in cache.cache if a is not None)

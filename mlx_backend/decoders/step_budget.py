@@ -306,11 +306,11 @@ PASS_MULTIPLE = 3.0
 # A step takes at most this many: steps that carry a deep prompt's chunk spend what
 # steps without one banked.
 PASS_MOST = 3.5
-# Steps with prompt tokens the chunk cost is fitted over.
+# Steps the step cost is fitted over.
 COST_WINDOW = 64
 # Key reads per unit of the cost model's attention term.
 KEYS_UNIT = 1000.0
-# The load's measurement counts as this many chunks in the fit of a chunk's cost.
+# The load's measurement counts as this many steps in the fit.
 PRIOR_STEPS = 2
 # A prompt deeper than this, and than twice what the fit has seen, first runs a
 # chunk of at most PROBE_TOKENS.
@@ -318,6 +318,11 @@ PROBE_DEPTH = 512
 PROBE_TOKENS = 2
 # A token's cost in the fit is never below this share of the load's measurement.
 LEAST_TOKEN_SHARE = 0.25
+# Up to this many tokens on a pass's axis, the CPU's quantized matmuls run their
+# row kernels; past it they dequantize the weights for sgemm, and each token more
+# costs less (``rows_limit`` in cpu/kernels). The fit takes a token's cost apart on
+# each side.
+ROW_KERNEL_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -332,6 +337,20 @@ class PassWork:
     keys: float
     held: float = 0.0
 
+    def __add__(self, other: "PassWork") -> "PassWork":
+        return PassWork(
+            self.tokens + other.tokens, self.keys + other.keys, self.held + other.held
+        )
+
+
+NO_WORK = PassWork(0, 0.0)
+
+
+def chunk_work(tokens: int, depth: int) -> PassWork:
+    """A prompt chunk's work: ``tokens`` after the ``depth`` its sequence holds."""
+    keys = tokens * depth + tokens * (tokens + 1) / 2
+    return PassWork(tokens, keys / KEYS_UNIT, (depth + tokens) / KEYS_UNIT)
+
 
 class PassPacer:
     """The prompt tokens each one-pass step carries beside its decode rows.
@@ -339,45 +358,41 @@ class PassPacer:
     The option ``step_token_budget`` sets a step's tokens, decode rows included.
     Otherwise, while sequences decode, a step takes about ``PASS_MULTIPLE`` times
     what its decode rows alone take: the median of the latest steps without a
-    chunk (the streams' pace, which the budget keeps), or before any, or for
-    another number of rows, the load's measurement. A chunk's part of a step is
-    modelled as a cost per token (projections and MLPs), per key a token reads
-    (attention's compute) and per key its sequence holds (attention reads that KV
-    from memory once a step, whatever the chunk), fitted by least squares to the
-    latest steps' time beyond their rows', from the load's measurement of a small
-    chunk beside a decode step (large chunks run on other kernels). So deep in a
-    long prompt the chunks shrink to what fits; where not one token fits, steps
-    bank their room and the next spends it, at most ``PASS_MOST`` times the rows'.
-    With nothing decoding, ``step_size`` tokens a step.
+    chunk for as many rows (the streams' pace, which the budget keeps), or else
+    the fitted cost of a step (``StepCost``), from every step, decode rows',
+    verifying rows' and chunks' alike. A chunk costs what it adds to its step's
+    fitted cost, so deep in a long prompt the chunks shrink to what fits; where
+    not one token fits, steps bank their room and the next spends it, at most
+    ``PASS_MOST`` times the rows'. With nothing decoding, ``step_size`` tokens a
+    step.
     """
 
     def __init__(self, budget: StepBudget, step_size: int):
         self.budget = budget
         self._step_size = step_size
-        costs = budget.costs
-        token_s = (costs.chunk_token_s or costs.token_s) if costs else 0.0
-        # A one-token pass reads every weight, as a decode step does.
-        self._pass_s = max(costs.decode_s - token_s, 0.0) if costs else 0.0
-        self._row_s = token_s
         # Decode steps alone: (rows, seconds).
         self._decodes: deque[tuple[int, float]] = deque(maxlen=DECODE_WINDOW)
-        self._chunks = ChunkCost(token_s)
+        self._fit = StepCost(budget.costs) if budget.costs else None
         # Prompt seconds the steps have earned while prompts wait.
         self._credit = 0.0
         # The prompt tokens of the last step planned with a budget.
         self.tokens = budget.tokens
 
-    def alone_s(self, rows: int) -> float:
-        """A step's seconds for ``rows`` decode rows alone."""
-        seen = [s for n, s in self._decodes if n == rows]
+    def alone_s(self, rows: PassWork, read: bool = False) -> float:
+        """A step's seconds for decode ``rows`` alone (``read``: planned after
+        the last step was read)."""
+        seen = [s for n, s in self._decodes if n == rows.tokens]
         if len(seen) * 2 > len(self._decodes):
             return statistics.median(seen)
-        return self._pass_s + self._row_s * rows
+        return self._fit.seconds(rows, read)
 
-    def chunks(self, rows: PassWork, prompts: Sequence[tuple[int, int]]) -> list[int]:
+    def chunks(
+        self, rows: PassWork, prompts: Sequence[tuple[int, int]], read: bool = False
+    ) -> list[int]:
         """The tokens of each waiting prompt, given as (tokens held, tokens left)
         in the order they take a step, that the step carries beside decode
-        ``rows`` (0 rows: none decode)."""
+        ``rows`` (0 rows: none decode); ``read``: the step is planned after the
+        last one was read (its rows verify proposals)."""
         budget = self.budget
         if not prompts:
             self._credit = 0.0
@@ -386,12 +401,12 @@ class PassPacer:
             return shared(self._step_size, prompts)
         if budget.tokens:
             return shared(max(1, budget.tokens - rows.tokens), prompts)
-        alone = self.alone_s(rows.tokens)
+        alone = self.alone_s(rows, read)
         earned, most = (PASS_MULTIPLE - 1) * alone, (PASS_MOST - 1) * alone
         credit = min(self._credit + earned, most)
-        out = []
+        out, work = [], rows
         for held, left in prompts:
-            fits = min(self._chunk_fits(credit, held), left)
+            fits = self._fits(credit, work, held, left)
             if fits < 1:
                 if out or credit < most * (1 - 1e-9):
                     # A deep prompt's KV is read whatever the chunk: rather than
@@ -400,48 +415,44 @@ class PassPacer:
                 # Even the most a step may take can't pay for reading its KV:
                 # the step overruns by that read, so the rest of its room goes
                 # to tokens beside it, not to one token.
-                fits = min(self._chunk_fits(credit + self._held_s(held), held), left)
-            n = min(self._step_size, max(1, int(fits)))
-            if held > max(2 * self._chunks.deepest, PROBE_DEPTH):
+                read_s = self._fit.added(work, chunk_work(0, held))
+                fits = self._fits(credit + read_s, work, held, left)
+            n = max(1, fits)
+            if held > max(2 * self._fit.deepest, PROBE_DEPTH):
                 # Far deeper than the fit has seen (a prompt-cache hit): a small
                 # chunk tells what its KV costs to read (two tokens: for one,
                 # the keys it reads and holds are the same number).
                 n = min(n, PROBE_TOKENS)
-            credit -= self._chunk_s(n, held)
+            part = chunk_work(n, held)
+            credit -= self._fit.added(work, part)
+            work += part
             out.append(n)
         self._credit = credit
         self.tokens = sum(out)
         return out + [0] * (len(prompts) - len(out))
 
-    def _held_s(self, depth: int) -> float:
-        """Reading the KV of a sequence ``depth`` tokens deep, as fitted."""
-        return self._chunks.coefficients[1] * depth / KEYS_UNIT
+    def _fits(self, seconds: float, work: PassWork, depth: int, left: int) -> int:
+        """The most tokens, up to ``left`` and a step's size, of a chunk ``depth``
+        deep that add at most ``seconds`` to a step of ``work``."""
+        low, high = 0, min(self._step_size, left)
+        while low < high:
+            n = (low + high + 1) // 2
+            if self._fit.added(work, chunk_work(n, depth)) <= seconds:
+                low = n
+            else:
+                high = n - 1
+        return low
 
-    def _chunk_s(self, n: int, depth: int) -> float:
-        """A chunk's seconds: ``n`` tokens, the last ``depth + n`` deep."""
-        per_token, per_held, per_key = self._chunks.coefficients
-        # It holds depth + n keys, and reads about n * (depth + n / 2).
-        held = per_held * (depth + n) / KEYS_UNIT
-        return held + n * (per_token + per_key * (depth + n / 2) / KEYS_UNIT)
-
-    def _chunk_fits(self, seconds: float, depth: int) -> float:
-        """The tokens (fractional) of a chunk ``depth`` deep that fit in ``seconds``."""
-        per_token, per_held, per_key = self._chunks.coefficients
-        n = float(self._step_size)
-        for _ in range(3):
-            held = per_held * (depth + n) / KEYS_UNIT
-            cost = per_token + per_key * (depth + n / 2) / KEYS_UNIT
-            n = min(self._step_size, max(seconds - held, 0.0) / max(cost, 1e-9))
-        return n
-
-    def observe(self, seconds: float, rows: PassWork, chunk: PassWork) -> None:
-        """A step took ``seconds`` for decode ``rows`` and prompt ``chunk``s."""
+    def observe(
+        self, seconds: float, rows: PassWork, chunk: PassWork, read: bool = False
+    ) -> None:
+        """A step took ``seconds`` for decode ``rows`` and prompt ``chunk``s
+        (``read``: planned after the last step was read)."""
         if not self.budget.timed or not rows.tokens:
             return
         if not chunk.tokens:
             self._decodes.append((rows.tokens, seconds))
-            return
-        self._chunks.add(seconds - self.alone_s(rows.tokens), chunk)
+        self._fit.add(rows + chunk, read, seconds, chunk.held * KEYS_UNIT)
 
 
 def shared(tokens: int, prompts: Sequence[tuple[int, int]]) -> list[int]:
@@ -453,46 +464,89 @@ def shared(tokens: int, prompts: Sequence[tuple[int, int]]) -> list[int]:
     return out
 
 
-class ChunkCost:
-    """Prompt chunks' seconds in a step as ``per_token * tokens + per_held *
-    held + per_key * keys`` (a token's projections and MLPs; attention reading a
-    sequence's KV from memory, once a step, and computing over it for each
-    token), fitted by least squares to the latest ``COST_WINDOW`` chunks and to
-    the load's measurement of a small chunk (``PRIOR_STEPS`` chunks' worth), no
-    cost below zero."""
+class StepCost:
+    """A one-pass step's seconds as ``c . x``, where x counts a pass, the host's
+    planning (where the step was planned after the last one was read: it is not
+    hidden behind the device then), its tokens up to ``ROW_KERNEL_TOKENS`` and
+    past them (projections and MLPs), the keys its sequences hold (attention
+    reads each one's KV from memory once a step) and the keys its tokens read
+    (attention's compute). Fitted by least squares to the latest ``COST_WINDOW``
+    steps and to the load's measurement (a decode step and chunks of two sizes,
+    ``PRIOR_STEPS`` steps' worth each), no coefficient below zero."""
 
-    def __init__(self, token_s: float):
-        self._chunks: deque[tuple[np.ndarray, float]] = deque(maxlen=COST_WINDOW)
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
-        x = np.array([min(MEASURE_CHUNKS), 0.0, 0.0])
-        self._xx += PRIOR_STEPS * np.outer(x, x)
-        self._xy += PRIOR_STEPS * x * token_s * x[0]
-        # Keys cost nothing until the chunks show otherwise (a weak pull, which
-        # keeps the fit solvable while the keys barely change).
-        self._xx[1, 1] += 1.0
-        self._xx[2, 2] += 1.0
-        self.coefficients = (token_s, 0.0, 0.0)
+    def __init__(self, costs: StepCosts):
+        self._steps: deque[tuple[np.ndarray, float, float]] = deque(maxlen=COST_WINDOW)
+        self._xx = np.zeros((6, 6))
+        self._xy = np.zeros(6)
+        small, large = min(MEASURE_CHUNKS), max(MEASURE_CHUNKS)
+        # Small chunks run on other kernels than large ones.
+        small_s = costs.chunk_token_s or costs.token_s
+        seen = (
+            (1, costs.decode_s),
+            (small, costs.decode_s + (small - 1) * small_s),
+            (
+                large,
+                costs.decode_s
+                + (small - 1) * small_s
+                + (large - small) * costs.token_s,
+            ),
+        )
+        for tokens, seconds in seen:
+            x = features(PassWork(tokens, 0.0), False)
+            self._xx += PRIOR_STEPS * np.outer(x, x)
+            self._xy += PRIOR_STEPS * x * seconds
+        # Planning, and keys, cost nothing until the steps show otherwise (a weak
+        # pull, which keeps the fit solvable while they barely change).
+        for i in (1, 4, 5):
+            self._xx[i, i] += 1.0
         # A token never costs less than a share of the load's measurement: a
         # chunk's size divides by it.
-        self._least_token_s = LEAST_TOKEN_SHARE * token_s
+        self._least = LEAST_TOKEN_SHARE * np.array([small_s, costs.token_s])
+        self._solve()
 
     @property
     def deepest(self) -> float:
-        """The most keys a chunk in the fit held (in tokens)."""
-        return max((x[1] for x, _ in self._chunks), default=0.0) * KEYS_UNIT
+        """The most keys a chunk's sequence held in a fitted step (in tokens)."""
+        return max((depth for _, _, depth in self._steps), default=0.0)
 
-    def add(self, seconds: float, chunk: PassWork) -> None:
-        if len(self._chunks) == self._chunks.maxlen:
-            x, y = self._chunks[0]
+    def seconds(self, work: PassWork, read: bool = False) -> float:
+        return float(self.coefficients @ features(work, read))
+
+    def added(self, work: PassWork, more: PassWork) -> float:
+        """What ``more`` adds to a step of ``work``."""
+        return self.seconds(work + more) - self.seconds(work)
+
+    def add(self, work: PassWork, read: bool, seconds: float, depth: float) -> None:
+        """A step of ``work`` took ``seconds``; ``depth``: its deepest chunk's
+        keys held."""
+        if len(self._steps) == self._steps.maxlen:
+            x, y, _ = self._steps[0]
             self._xx -= np.outer(x, x)
             self._xy -= x * y
-        x = np.array([chunk.tokens, chunk.held, chunk.keys])
-        self._chunks.append((x, seconds))
+        x = features(work, read)
+        self._steps.append((x, seconds, depth))
         self._xx += np.outer(x, x)
         self._xy += x * seconds
-        per_token, per_held, per_key = nonnegative_solve(self._xx, self._xy)
-        self.coefficients = (max(per_token, self._least_token_s), per_held, per_key)
+        self._solve()
+
+    def _solve(self) -> None:
+        c = np.array(nonnegative_solve(self._xx, self._xy))
+        c[2:4] = np.maximum(c[2:4], self._least)
+        self.coefficients = c
+
+
+def features(work: PassWork, read: bool) -> np.ndarray:
+    """A step's terms in the cost fit (``StepCost``)."""
+    return np.array(
+        [
+            1.0,
+            float(read),
+            min(work.tokens, ROW_KERNEL_TOKENS),
+            max(work.tokens - ROW_KERNEL_TOKENS, 0),
+            work.held,
+            work.keys,
+        ]
+    )
 
 
 def nonnegative_solve(xx: np.ndarray, xy: np.ndarray) -> tuple[float, ...]:

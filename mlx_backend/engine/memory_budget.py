@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache
 
 from mlx_backend.caches.paged import PAGE_TOKENS, LayerShape, layer_page_nbytes
+from mlx_backend.caches.recurrent import RecurrentShape
 from mlx_backend.cpu.blas import physical_memory
 from mlx_backend.errors import InvalidArgument, ResourceExhausted
 from mlx_utils import make_kv_cache
@@ -92,13 +93,19 @@ def measure_kv_sizer(model: nn.Module, options: LoadOptions) -> KVSizer:
     return KVSizer(tuple(layers))
 
 
-def paged_kv_sizer(shapes: Sequence[LayerShape]) -> KVSizer:
+def paged_kv_sizer(shapes: Sequence[LayerShape | RecurrentShape]) -> KVSizer:
     """A sequence's bytes on pages: whole pages of every layer, in the pages'
     types (float16, quantized), a window layer's as many as a full one's (pages
-    behind a window are kept)."""
+    behind a window are kept); a recurrent layer's state, whatever the length."""
     return KVSizer(
         tuple(
-            LayerBytes(per_token=layer_page_nbytes(s) // PAGE_TOKENS, step=PAGE_TOKENS)
+            (
+                LayerBytes(fixed=s.nbytes)
+                if isinstance(s, RecurrentShape)
+                else LayerBytes(
+                    per_token=layer_page_nbytes(s) // PAGE_TOKENS, step=PAGE_TOKENS
+                )
+            )
             for s in shapes
         )
     )

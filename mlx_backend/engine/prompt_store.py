@@ -93,8 +93,11 @@ class PromptStore:
             kv_cache, rest = None, prompt
         if kv_cache is None:
             kv_cache = self._make_cache()
-        elif not pages and isinstance(kv_cache[0], PagedPrefix):
-            kv_cache = [layer.to_kv_cache() for layer in kv_cache]
+        elif not pages and paged_layer(kv_cache) is not None:
+            kv_cache = [
+                layer.to_kv_cache() if isinstance(layer, PagedPrefix) else layer
+                for layer in kv_cache
+            ]
         self._counts.reused += len(prompt) - len(rest)
         self._counts.prefilled += len(rest)
         return kv_cache, tuple(rest)
@@ -199,9 +202,15 @@ class PromptStore:
         self.cache.clear()
 
 
+def paged_layer(kv_cache: list) -> PagedPrefix | None:
+    """A layer of a paged decoder's kept state (a hybrid's first may be
+    recurrent); None: not one."""
+    return next((x for x in kv_cache if isinstance(x, PagedPrefix)), None)
+
+
 def _in_closed_store(kv_cache: list) -> bool:
-    first = kv_cache[0] if kv_cache else None
-    return isinstance(first, PagedPrefix) and first.lease.kv.closed
+    layer = paged_layer(kv_cache)
+    return layer is not None and layer.lease.kv.closed
 
 
 def make_prompt_cache(

@@ -20,6 +20,7 @@ from mlx_lm.utils import load as load_mlx_lm
 
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
+from mlx_backend.decoders.paged import PagedDecoder
 from mlx_backend.decoders.speculative import SpeculativeDecoder
 from mlx_backend.decoders.step_budget import SHORT_PROMPT_TOKENS, StepBudget
 from mlx_backend.engine.engine import Engine
@@ -65,9 +66,9 @@ REPETITIVE = "one two three four five six seven eight, " * 12
 class Family:
     """One family's folder, an engine serving it, and mlx-lm's reference."""
 
-    def __init__(self, name: str, folder: Path):
+    def __init__(self, name: str, folder: Path, *options: str):
         self.name, self.folder = name, folder
-        self.engine = self.start()
+        self.engine = self.start(*options)
         self.model, self.tokenizer = load_mlx_lm(str(folder))
 
     def start(self, *options: str) -> Engine:
@@ -144,6 +145,28 @@ def test_alone_and_in_a_batch_as_mlx_lm(family):
 
 
 def test_a_second_turn_reuses_the_first(family):
+    second_turn_reuses_first(family)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_a_hybrid_without_speculation_serves_on_pages(family_folder, name):
+    """Without speculation a hybrid's recurrent layers run in the paged pass: a
+    batch of four and a chat's second turn, which starts from the state the
+    first left on pages, reply as mlx-lm."""
+    apply_fixes()
+    family = Family(name, family_folder(name), "speculative:off")
+    try:
+        assert isinstance(family.engine.served.decoder, PagedDecoder)
+        batch = [family.ask(q) for q in QUESTIONS[2:]]
+        replies = run(family.engine, *(family.request(p) for p in batch))
+        for prompt, events in zip(batch, replies):
+            family.assert_text(text_of(events), prompt)
+        second_turn_reuses_first(family)
+    finally:
+        family.engine.shutdown()
+
+
+def second_turn_reuses_first(family: Family) -> None:
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": QUESTIONS[0]},

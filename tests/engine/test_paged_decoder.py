@@ -8,6 +8,7 @@ batch decoder starves it; rows that verify proposals decode as mlx-lm alone; pag
 come back on finish, cancel and error, verifying or not; kept states of a decoder
 reset after a failed step are never served."""
 
+import copy
 import gc
 import math
 import random
@@ -24,9 +25,19 @@ from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops, route_fast_ops
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.factory import make_plain_decoder
-from mlx_backend.decoders.paged import NotPaged, PagedDecoder, paged_layers
+from mlx_backend.decoders.paged import (
+    NotPaged,
+    PagedDecoder,
+    paged_layers,
+    paged_shapes,
+)
 from mlx_backend.decoders.step_budget import PASS_MULTIPLE, StepBudget, StepCosts
-from mlx_backend.engine.prompt_store import PromptCounts, PromptStore, make_prompt_cache
+from mlx_backend.engine.prompt_store import (
+    PromptCounts,
+    PromptStore,
+    make_prompt_cache,
+    paged_layer,
+)
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_utils import check_kv_cache, make_kv_cache
@@ -36,7 +47,20 @@ from tests.support import EagerLookup, device_tolerance, near_tie
 from tests.tiny_models import FLAT
 
 # The families whose caches and attention run on pages; the rest say why not.
-PAGED = {"llama", "qwen3", "phi3", "gemma3_text", "gemma4_text", "gpt_oss"}
+PAGED = {
+    "llama",
+    "qwen3",
+    "phi3",
+    "gemma3_text",
+    "gemma4_text",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5",
+    "nemotron_h",
+    "granitemoehybrid",
+    "lfm2",
+    "mamba2",
+}
 OPTIONS = parse_options(["prefill_step_size:256"])
 # Prompt tokens a step carries beside decode rows: chunks of 13 less the rows,
 # which split pages at varied offsets.
@@ -157,25 +181,57 @@ def test_families_on_pages_as_mlx_lm(family, kernels):
             assert_as_reference(tokens, scores, steps)
             # Its KV state holds the prompt and every token fed after it.
             assert list(state.tokens) == [*prompt, *tokens[:-1]]
-            assert state.cache[0].offset == len(state.tokens)
+            paged = paged_layer(state.cache)
+            assert paged is None or paged.offset == len(state.tokens)
         # A second turn starts from the first's KV state, whose full pages it
         # shares; a third from a copy in mlx-lm's caches, loaded into pages.
         tokens, _, state = out["long"]
         second = (*state.tokens, tokens[-1], *prompt_of(20, 4))
         rest = second[len(state.tokens) :]
         key = decoder.add(sequence(model, second, 8, cache=state.cache, rest=rest))
-        assert decoder._kv.refs(state.cache[0].lease.pages[0]) == 2
+        paged = paged_layer(state.cache)
+        assert paged is None or decoder._kv.refs(paged.lease.pages[0]) == 2
         tokens, scores, _ = run_until_done(decoder, {key: "second"})["second"]
         assert_as_reference(tokens, scores, reference(model, second, 8))
-        dense = [layer.to_kv_cache() for layer in state.cache]
+        dense = as_mlx_lm(state.cache)
         key = decoder.add(sequence(model, second, 8, cache=dense, rest=rest))
         tokens, scores, _ = run_until_done(decoder, {key: "third"})["third"]
         assert_as_reference(tokens, scores, reference(model, second, 8))
-        # The kept states alone held pages.
-        assert decoder.kv_nbytes() == 0 < decoder.pages_nbytes()
-        del out, rest, state, _
+        # The kept states alone held pages (Mamba 2 has none).
+        assert decoder.kv_nbytes() == 0
+        assert (decoder.pages_nbytes() > 0) == bool(paged_shapes(shapes))
+        del out, rest, state, paged, dense, _
         gc.collect()
         assert decoder.pages_nbytes() == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_a_hybrid_s_snapshot_ends_a_chunk_and_holds_its_state(family_folder, name):
+    """A recurrent state is only had where a chunk ends: a prompt snapshot in
+    the middle of what would be one chunk ends a chunk there, its kept state
+    holds the recurrent layers' state at that token beside the pages before it,
+    and a sequence that starts from it decodes as mlx-lm."""
+    apply_fixes()
+    model, _ = load_mlx_lm(str(family_folder(name)))
+    decoder = PagedDecoder(model, OPTIONS, paged_layers(model, OPTIONS))
+    prompt, middle = prompt_of(2 * PAGE_TOKENS + 9, 11), PAGE_TOKENS + 7
+    key = decoder.add(sequence(model, prompt, 6, snapshots=(middle,)))
+    kept, tokens = {}, []
+    while key in decoder._rows:
+        for result in decoder.step():
+            kept.update({len(s.tokens): s.cache for s in result.snapshots})
+            tokens += result.tokens
+            if result.done:
+                decoder.remove(key)
+    assert tokens == [t for t, _, _ in reference(model, prompt, 6)]
+    assert sorted(kept) == [middle]
+    second = (*prompt[:middle], *prompt_of(20, 12))
+    key = decoder.add(
+        sequence(model, second, 8, cache=kept[middle], rest=second[middle:])
+    )
+    tokens, scores, _ = run_until_done(decoder, {key: "second"})["second"]
+    assert_as_reference(tokens, scores, reference(model, second, 8))
+    decoder.close()
 
 
 def test_families_on_quantized_pages_as_mlx_lm_quantized(family):
@@ -194,7 +250,9 @@ def test_families_on_quantized_pages_as_mlx_lm_quantized(family):
         assert name not in PAGED, f"{name} fell back: {e}"
         return
     assert name in PAGED
-    assert {s.bits for s in shapes} - {None} == {8}
+    layers = paged_shapes(shapes)
+    # Mamba 2 has no attention layer.
+    assert {s.bits for s in layers} - {None} == ({8} if layers else set())
     prompts = {"long": prompt_of(3 * PAGE_TOKENS + 5, 2), "late": prompt_of(40, 3)}
     decoder = PagedDecoder(model, options, shapes, SMALL_STEPS)
     keys = {decoder.add(sequence(model, prompts["long"], 10)): "long"}
@@ -212,7 +270,7 @@ def test_families_on_quantized_pages_as_mlx_lm_quantized(family):
     second = (*state.tokens, tokens[-1], *prompt_of(20, 4))
     rest = second[len(state.tokens) :]
     theirs = quantized_reference(second, 6)
-    for cache in (state.cache, [layer.to_kv_cache() for layer in state.cache]):
+    for cache in (state.cache, as_mlx_lm(state.cache)):
         key = decoder.add(sequence(model, second, 6, cache=cache, rest=rest))
         mine, _, _ = run_until_done(decoder, {key: "next"})["next"]
         assert_near_quantized(mine, theirs)
@@ -233,6 +291,14 @@ def assert_near_quantized(tokens, steps) -> None:
         if tokens[i] != token:
             assert margin < 2 * QUANTIZED_NOISE, f"parted at {i}: {tokens} != {steps}"
             return
+
+
+def as_mlx_lm(cache: list) -> list:
+    """A kept state's copy in mlx-lm's caches (its recurrent layers are)."""
+    return [
+        layer.to_kv_cache() if isinstance(layer, PagedPrefix) else copy.copy(layer)
+        for layer in cache
+    ]
 
 
 class _nothing:
@@ -257,21 +323,23 @@ COSTS = StepCosts(decode_s=0.02, pass_s=0.0, token_s=0.004, peak_bytes_per_token
 LONG = 3000
 
 
-def steps_to_prefill(decoder, model, limit: int) -> int | None:
+def steps_to_prefill(decoder, model, limit: int, **fields) -> int | None:
     """Steps until a 3,000-token prompt's first token, while two sequences
-    decode throughout; None: not within ``limit``."""
+    (``fields``: their ``NewSequence`` fields) decode throughout; None: not
+    within ``limit``."""
     if isinstance(decoder, PagedDecoder):
         # The steps take what COSTS says, whatever this machine's pace.
         observe = decoder.pacer.observe
-        decoder.pacer.observe = lambda _, rows, chunk: observe(
+        decoder.pacer.observe = lambda _, rows, chunk, read: observe(
             COSTS.decode_s + COSTS.token_s * (rows.tokens + chunk.tokens - 1),
             rows,
             chunk,
+            read,
         )
     else:
         decoder.pacer.observe = lambda *args, **kwargs: None
     for seed in (5, 6):
-        decoder.add(sequence(model, prompt_of(20, seed), 10_000))
+        decoder.add(sequence(model, prompt_of(7, seed) * 3, 10_000, **fields))
     for _ in range(8):
         decoder.step()
     long = decoder.add(sequence(model, prompt_of(LONG, 7), 4))
@@ -297,6 +365,18 @@ def test_a_long_prompt_beside_decoding_sequences_is_done_in_bounded_steps(llama)
     batch = BatchDecoder(llama, OPTIONS, True, budget=budget)
     assert steps_to_prefill(batch, llama, bound) is None
     batch.close()
+
+
+def test_rows_that_verify_proposals_leave_a_long_prompt_its_share(llama):
+    """The same, with both sequences verifying proposals: a step that reads the
+    last one first, to propose from its tokens, is timed as any other (the
+    pacer once learnt nothing from them and fed the prompt two tokens a step)."""
+    budget = StepBudget("test", costs=COSTS)
+    alone = COSTS.decode_s - COSTS.token_s + 2 * COSTS.token_s
+    bound = LONG // math.floor((PASS_MULTIPLE - 1) * alone / COSTS.token_s) + 3
+    decoder = speculating(llama, budget)
+    assert steps_to_prefill(decoder, llama, bound, draft_tokens=4) is not None
+    assert decoder.draft_proposed > 100
 
 
 def speculating(model, budget: StepBudget = SMALL_STEPS) -> PagedDecoder:

@@ -1,0 +1,143 @@
+"""Recurrent layers (linear attention, Mamba, short convolutions) in a paged step.
+
+A paged step flattens its sequences' tokens into one axis, and a recurrent
+layer's mixer must run over each sequence's tokens in order, from that
+sequence's state. The mixer's class is routed (``install_recurrent_ops``):
+given a ``RecurrentLayer`` for its cache, it runs once over the step's decode
+rows as a batch of one-token sequences (their states stacked), and once over
+each prompt chunk from its own state, each time on mlx-lm's own
+``ArraysCache``; the outputs go back on the axis in order. Projections and
+MLPs outside the mixer still run once over every token.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+# A layer's state: its arrays, None before a sequence's first token.
+State = tuple[mx.array | None, ...]
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """A recurrent layer of the paged pass: the arrays of its state
+    (``ArraysCache(size)``) and a sequence's bytes in them."""
+
+    size: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RecurrentLayout:
+    """How a step's segments run through a recurrent mixer: ``rows`` decode
+    rows of one token each, first on the axis, as one batch; then each prompt
+    chunk (start on the axis, tokens) alone."""
+
+    rows: int
+    chunks: tuple[tuple[int, int], ...]
+
+
+class RecurrentLayer:
+    """A recurrent layer's cache in a paged step: each segment's state in
+    (``states``: the decode rows', then the chunks'), each one's new state out
+    (``new_states``, lazy) once the pass has run."""
+
+    def __init__(self, layout: RecurrentLayout, states: Sequence[State], size: int):
+        self.layout, self.states, self.size = layout, list(states), size
+        self.new_states: list[State | None] = [None] * len(self.states)
+
+    def make_mask(self, N: int, **kwargs) -> None:
+        # The model's mask for the whole axis: each run makes its own.
+        return None
+
+    def run(self, mixer: Callable, x: mx.array) -> mx.array:
+        """``mixer(x, mask, cache)`` over each segment's tokens of ``x``
+        (1, tokens, width), from its state."""
+        rows, outs = self.layout.rows, []
+        if rows:
+            cache = ArraysCache(self.size)
+            cache.cache = stacked(self.states[:rows])
+            outs.append(mixer(x[0, :rows, None], None, cache).reshape(1, rows, -1))
+            for i in range(rows):
+                self.new_states[i] = tuple(
+                    None if c is None else c[i : i + 1] for c in cache.cache
+                )
+        for i, (start, tokens) in enumerate(self.layout.chunks, rows):
+            cache = ArraysCache(self.size)
+            cache.cache = list(self.states[i])
+            outs.append(mixer(x[:, start : start + tokens], None, cache))
+            self.new_states[i] = tuple(cache.cache)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+
+def stacked(states: Sequence[State]) -> list[mx.array | None]:
+    """Rows' states as one batch's (a row without an array: zeros)."""
+    out = []
+    for arrays in zip(*states):
+        given = next((a for a in arrays if a is not None), None)
+        if given is None:
+            out.append(None)
+            continue
+        zeros = mx.zeros_like(given)
+        out.append(mx.concatenate([zeros if a is None else a for a in arrays]))
+    return out
+
+
+def fresh_state(size: int) -> State:
+    return (None,) * size
+
+
+def _routed(call: Callable) -> Callable:
+    def routed(self, x, mask=None, cache=None):
+        if isinstance(cache, RecurrentLayer):
+            return cache.run(lambda *args: call(self, *args), x)
+        return call(self, x, mask, cache)
+
+    routed.unrouted = call
+    return routed
+
+
+def install_recurrent_ops(mixers: Sequence[type]) -> None:
+    """Route the calls of ``mixers`` (classes) over a ``RecurrentLayer``;
+    calls over any other cache go on as they were."""
+    for cls in mixers:
+        if not hasattr(cls.__call__, "unrouted"):
+            cls.__call__ = _routed(cls.__call__)
+
+
+def recurrent_mixers(model: nn.Module, cache: Sequence, tokens: mx.array) -> dict:
+    """For each recurrent layer of mlx-lm's ``cache`` (an ``ArraysCache``), the
+    class whose call runs over it: the innermost that takes that cache, found
+    by running ``tokens`` through ``model``."""
+    layers = {id(c): i for i, c in enumerate(cache) if isinstance(c, ArraysCache)}
+    # The classes that define a call (a subclass runs its parent's).
+    classes = {
+        cls
+        for _, m in model.named_modules()
+        for cls in type(m).__mro__
+        if "__call__" in cls.__dict__ and issubclass(cls, nn.Module)
+    }
+    found = {}
+
+    def recorder(cls, call):
+        def record(self, *args, **kwargs):
+            for a in (*args, *kwargs.values()):
+                if id(a) in layers:
+                    # Outer calls record first: the innermost is written last.
+                    found[layers[id(a)]] = cls
+            return call(self, *args, **kwargs)
+
+        return record
+
+    saved = {cls: cls.__dict__["__call__"] for cls in classes}
+    for cls, call in saved.items():
+        cls.__call__ = recorder(cls, call)
+    try:
+        mx.eval(model(tokens, cache=cache))
+    finally:
+        for cls, call in saved.items():
+            cls.__call__ = call
+    return found
