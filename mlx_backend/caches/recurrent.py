@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 # A layer's state: its arrays, None before a sequence's first token.
@@ -32,11 +33,11 @@ class RecurrentShape:
 
 @dataclass(frozen=True)
 class RecurrentLayout:
-    """How a step's segments run through a recurrent mixer: ``rows`` decode
-    rows of one token each, first on the axis, as one batch; then each prompt
-    chunk (start on the axis, tokens) alone."""
+    """How a step's segments run through a recurrent mixer: the decode rows
+    (``rows``: each one's tokens, first on the axis in turn) as one batch, then
+    each prompt chunk (start on the axis, tokens) alone."""
 
-    rows: int
+    rows: tuple[int, ...]
     chunks: tuple[tuple[int, int], ...]
 
 
@@ -56,14 +57,15 @@ class RecurrentLayer:
     def run(self, mixer: Callable, x: mx.array) -> mx.array:
         """``mixer(x, mask, cache)`` over each segment's tokens of ``x``
         (1, tokens, width), from its state."""
-        rows, outs = self.layout.rows, []
+        lengths, outs = self.layout.rows, []
+        rows = len(lengths)
         if rows:
             cache = ArraysCache(self.size)
             cache.cache = stacked(self.states[:rows])
-            outs.append(mixer(x[0, :rows, None], None, cache).reshape(1, rows, -1))
+            outs.append(run_rows(mixer, x, lengths, cache))
             for i in range(rows):
                 self.new_states[i] = tuple(
-                    None if c is None else c[i : i + 1] for c in cache.cache
+                    c if c is None or rows == 1 else c[i : i + 1] for c in cache.cache
                 )
         for i, (start, tokens) in enumerate(self.layout.chunks, rows):
             cache = ArraysCache(self.size)
@@ -73,8 +75,28 @@ class RecurrentLayer:
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
 
+def run_rows(mixer: Callable, x: mx.array, lengths, cache: ArraysCache) -> mx.array:
+    """The mixer over decode rows of ``lengths`` tokens, first on the axis of
+    ``x``, as a batch: of one token each as they are, else right-padded to the
+    longest, which mlx-lm's caches mask and end at each row's length."""
+    rows, longest = len(lengths), max(lengths)
+    if longest == 1:
+        return mixer(x[0, :rows, None], None, cache).reshape(1, rows, -1)
+    starts = np.cumsum([0, *lengths[:-1]])
+    # A padded position repeats its row's last token (masked out).
+    at = starts[:, None] + np.minimum(
+        np.arange(longest), np.array(lengths)[:, None] - 1
+    )
+    cache.lengths = mx.array(lengths)
+    out = mixer(x[0][mx.array(at)], cache.make_mask(longest), cache)
+    kept = [i * longest + j for i, n in enumerate(lengths) for j in range(n)]
+    return out.reshape(rows * longest, -1)[mx.array(kept)][None]
+
+
 def stacked(states: Sequence[State]) -> list[mx.array | None]:
     """Rows' states as one batch's (a row without an array: zeros)."""
+    if len(states) == 1:
+        return list(states[0])
     out = []
     for arrays in zip(*states):
         given = next((a for a in arrays if a is not None), None)

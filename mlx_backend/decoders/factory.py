@@ -48,14 +48,6 @@ def choose_paged(model: nn.Module, options: LoadOptions) -> PagedChoice:
     except NotPaged as e:
         logger.info("the paged pass is off: %s", e)
         return PagedChoice(why_not=f"the paged pass can't serve this model: {e}")
-    recurrent = any(isinstance(s, RecurrentShape) for s in shapes)
-    if recurrent and speculates(options):
-        why = (
-            "its recurrent layers can't yet take back a verification's rejected "
-            "proposals on pages (speculative:off runs it on pages)"
-        )
-        logger.info("the paged pass is off: %s", why)
-        return PagedChoice(why_not=f"the paged pass can't serve this model: {why}")
     logger.info("one forward pass per step over paged KV")
     return PagedChoice(tuple(shapes))
 

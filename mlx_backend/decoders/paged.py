@@ -106,8 +106,14 @@ class _Row:
     draft_tokens: int = 0
     history: int = 0
     unverified: int = 0
-    # Each recurrent layer's state after its tokens (lazy while a pass runs).
+    # Each recurrent layer's state after its tokens (lazy while a pass runs);
+    # before a pass that verifies, the states it started from; and the tokens
+    # before its last that the next pass feeds again (a rejected proposal's
+    # state can't be taken back: the state before the pass is, and the kept
+    # tokens run again).
     states: list[State] = field(default_factory=list)
+    states_before: list[State] = field(default_factory=list)
+    replay: int = 0
 
     @property
     def held(self) -> int:
@@ -130,6 +136,7 @@ class _Queued:
 
     rows: tuple[_Row, ...]
     drafts: tuple[tuple[int, ...], ...]
+    replays: tuple[int, ...]
     tokens: mx.array
     logprobs: mx.array
     decode_work: PassWork
@@ -282,8 +289,9 @@ class PagedDecoder(Decoder):
             return None
         self._snapshots.pop(key, None)
         state = None
-        # A queued pass's proposals are not the sequence's (yet).
-        held = row.held - row.unverified
+        # A queued pass's proposals are not the sequence's (yet), nor are the
+        # tokens its recurrent states have to run again.
+        held = row.held - row.unverified - row.replay
         if keep_state and held:
             state = self._kept(row, held)
         self._kv.release(row.pages)
@@ -354,22 +362,29 @@ class PagedDecoder(Decoder):
         if not decoding and not prompts:
             return None
         drafts = self._drafts(decoding) if read else [()] * len(decoding)
+        # Tokens each row feeds again before its last (a step that verified
+        # reads first: only then are there any).
+        replays = [row.replay for row in decoding]
         segments, inputs, chunk, ends = [], [], [], []
-        for row, draft in zip(decoding, drafts):
+        for row, draft, again in zip(decoding, drafts, replays):
             # Its input is the token the last step sampled (still lazy unless
             # ``read``), then its proposals.
-            start = len(ends)
+            start = segments[-1].start + segments[-1].tokens if segments else 0
             context = row.held + len(draft) + (not read)
-            segments.append(self._extend(row, start, 1 + len(draft), context))
-            ends += range(start, start + 1 + len(draft))
+            count = again + 1 + len(draft)
+            segments.append(self._extend(row, start, count, context))
+            ends += range(start + again, start + count)
             row.tokens += draft
             row.unverified = len(draft)
             row.sampled += 1 + len(draft)
+            row.replay = 0
+            if draft and self._recurrent:
+                row.states_before = list(row.states)
         if read and decoding:
             ids = [
                 t
-                for row, draft in zip(decoding, drafts)
-                for t in (row.tokens[-len(draft) - 1], *draft)
+                for row, draft, again in zip(decoding, drafts, replays)
+                for t in row.tokens[len(row.tokens) - len(draft) - 1 - again :]
             ]
             inputs.append(mx.array(ids, dtype=mx.uint32))
         elif decoding:
@@ -422,7 +437,7 @@ class PagedDecoder(Decoder):
             logits = self._forward(tokens, views, mx.array(ends, dtype=mx.int32))
             states = self._took_states(views, decoding + chunked)
             self._take_snapshots(snapshots)
-            starts = [s.start for s in segments[: len(decoding)]]
+            starts = [s.start + n for s, n in zip(segments, replays)]
             sampled, logprobs, contexts = self._sample(
                 logits, sampling, drafts, tokens, starts
             )
@@ -430,6 +445,7 @@ class PagedDecoder(Decoder):
         return _Queued(
             tuple(sampling),
             tuple(tuple(d) for d in drafts),
+            tuple(replays) + (0,) * (len(sampling) - len(decoding)),
             sampled,
             logprobs,
             rows,
@@ -442,7 +458,7 @@ class PagedDecoder(Decoder):
         of its segments (the decoding rows', then the chunks')."""
         if self._recurrent:
             runs = RecurrentLayout(
-                len(decoding),
+                tuple(s.tokens for s in segments[: len(decoding)]),
                 tuple((s.start, s.tokens) for s in segments[len(decoding) :]),
             )
         views = []
@@ -631,7 +647,9 @@ class PagedDecoder(Decoder):
             )
         self._last_read = now
         made = {}
-        for row, draft, start in zip(queued.rows, queued.drafts, queued.starts()):
+        for row, draft, again, start in zip(
+            queued.rows, queued.drafts, queued.replays, queued.starts()
+        ):
             if self._rows.get(row.key) is not row:
                 continue
             out = tokens[start : start + 1 + len(draft)]
@@ -640,7 +658,7 @@ class PagedDecoder(Decoder):
             )
             made[row.key] = (range(start, start + kept + 1), out[: kept + 1])
             if draft:
-                self._verified(row, draft, kept)
+                self._verified(row, draft, kept, again)
         wanted = [r for r in queued.rows if r.key in made and r.logprobs is not None]
         scored = {}
         if wanted:
@@ -686,12 +704,20 @@ class PagedDecoder(Decoder):
                 row.draft.check_guess(row.tokens, tuple(new))
         return results
 
-    def _verified(self, row: _Row, draft: tuple[int, ...], kept: int) -> None:
-        """``row``'s pass kept ``kept`` of its ``draft``: the rest leave its
-        tokens (their KV is written over), its sampler draws the next position
-        again, and the estimate learns."""
+    def _verified(
+        self, row: _Row, draft: tuple[int, ...], kept: int, again: int
+    ) -> None:
+        """``row``'s pass kept ``kept`` of its ``draft`` (after feeding ``again``
+        tokens again): the rest leave its tokens (their KV is written over), its
+        recurrent states go back to before the pass, whose kept tokens the next
+        one feeds again, its sampler draws the next position again, and the
+        estimate learns."""
         del row.tokens[len(row.tokens) - len(draft) + kept :]
         row.unverified = 0
+        if self._recurrent and kept < len(draft):
+            row.states = row.states_before
+            row.replay = again + 1 + kept
+        row.states_before = []
         row.sampled = row.returned + kept + 1
         if row.context is not None and kept:
             row.context.update_and_fetch(mx.array(draft[:kept], dtype=mx.int32))
@@ -839,9 +865,9 @@ def paged_layers(
             (
                 Segment(0, n - 1, n - 1, pages),
                 tokens[: n - 1],
-                RecurrentLayout(0, ((0, n - 1),)),
+                RecurrentLayout((), ((0, n - 1),)),
             ),
-            (Segment(0, 1, n, pages), tokens[n - 1 :], RecurrentLayout(1, ())),
+            (Segment(0, 1, n, pages), tokens[n - 1 :], RecurrentLayout((1,), ())),
         ):
             layout = kv.layout([segment])
             views = []

@@ -379,6 +379,24 @@ def test_rows_that_verify_proposals_leave_a_long_prompt_its_share(llama):
     assert decoder.draft_proposed > 100
 
 
+class Known(EagerLookup):
+    """Proposes a sequence's reference continuation (``known``: each one's
+    prompt and tokens), every fourth proposal wrong, so that verifications keep
+    some and reject the rest."""
+
+    def __init__(self, known: list[list[int]]):
+        super().__init__(1, 3)
+        self.known = known
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        n = len(tokens)
+        for whole in self.known:
+            if whole[:n] == list(tokens):
+                ahead = whole[n : n + limit]
+                return [t + 1 if (n + i) % 4 == 0 else t for i, t in enumerate(ahead)]
+        return []
+
+
 def speculating(model, budget: StepBudget = SMALL_STEPS) -> PagedDecoder:
     """A paged decoder whose rows verify every lookup proposal (flat costs)."""
     decoder = PagedDecoder(model, OPTIONS, paged_layers(model, OPTIONS), budget)
@@ -386,27 +404,45 @@ def speculating(model, budget: StepBudget = SMALL_STEPS) -> PagedDecoder:
     return decoder
 
 
-def test_rows_that_verify_proposals_decode_as_mlx_lm(llama):
+@pytest.mark.parametrize("name", ["llama", "qwen3_5", "nemotron_h", "lfm2"])
+def test_rows_that_verify_proposals_decode_as_mlx_lm(family_folder, name):
     """Prompts that repeat themselves, so lookup proposes from the first token:
     each row verifies in the step's pass beside the others (and a prompt's
     chunks), keeps what mlx-lm alone makes, and its kept state holds only the
-    tokens it kept."""
-    decoder = speculating(llama)
+    tokens it kept. A hybrid's rows verify too: where a proposal is rejected
+    their recurrent states go back to before the pass and the kept tokens run
+    again in front of the next one; a kept state ends where its recurrent
+    states do, and a second turn from it decodes as mlx-lm."""
+    apply_fixes()
+    model, _ = load_mlx_lm(str(family_folder(name)))
     prompts = {
         f"loop{seed}": prompt_of(12, seed) * 3 + prompt_of(5, seed + 10)
         for seed in (21, 22, 23)
     }
+    known = [
+        [*p, *(t for t, _, _ in reference(model, p, 16))] for p in prompts.values()
+    ]
+    decoder = PagedDecoder(model, OPTIONS, paged_layers(model, OPTIONS), SMALL_STEPS)
+    decoder.speculate(lambda: Known(known), FLAT)
     keys = {
-        decoder.add(sequence(llama, p, 16, draft_tokens=4)): n
+        decoder.add(sequence(model, p, 16, draft_tokens=4)): n
         for n, p in prompts.items()
     }
     out = run_until_done(decoder, keys)
-    assert decoder.draft_proposed > 0 and decoder.draft_accepted > 0
-    for name, (tokens, scores, state) in out.items():
-        steps = reference(llama, prompts[name], 16)
+    assert decoder.draft_proposed > decoder.draft_accepted > 0
+    for n, (tokens, scores, state) in out.items():
+        steps = reference(model, prompts[n], 16)
         assert_as_reference(tokens, scores, steps)
         # The last token is returned, not fed: the state holds the rest.
-        assert state.tokens == [*prompts[name], *tokens[:-1]]
+        fed = [*prompts[n], *tokens[:-1]]
+        if name == "llama":
+            assert state.tokens == fed
+        assert state.tokens == fed[: len(state.tokens)]
+        second = (*fed, tokens[-1], *prompt_of(6, 30))
+        rest = second[len(state.tokens) :]
+        key = decoder.add(sequence(model, second, 6, cache=state.cache, rest=rest))
+        mine, scores, _ = run_until_done(decoder, {key: "second"})["second"]
+        assert_as_reference(mine, scores, reference(model, second, 6))
 
 
 @pytest.mark.parametrize("verifying", [False, True], ids=["plain", "verifying"])
