@@ -3,12 +3,13 @@
 the fast BLAS preloaded as the server has it, and a decoder of either kind."""
 
 import argparse
+import time
 
 from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.paged import PagedDecoder, paged_layers
-from tests.engine_helpers import load_engine, on_engine_thread
+from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
 
 
 def run_rounds(doc: str, measure):
@@ -32,3 +33,18 @@ def make_decoder(paged: bool, model, options) -> Decoder:
     if paged:
         return PagedDecoder(model, options, paged_layers(model, options))
     return BatchDecoder(model, options, True)
+
+
+def step_seconds(decoder, model, options, prompts, steps: int = 60) -> float:
+    """A decoder's step, once ``prompts`` all decode: the mean wall time of
+    ``steps`` steps (steps overlap the host, so the device's pace)."""
+    for prompt in prompts:
+        decoder.add(new_sequence(model, options, prompt, 10_000))
+    while sum(1 for r in decoder.step() if r.tokens) < len(prompts):
+        pass
+    for _ in range(5):
+        decoder.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    return (time.perf_counter() - start) / steps

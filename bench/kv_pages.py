@@ -11,14 +11,12 @@ streams decode (steps overlap the host, so it is the device's pace).
 
 import random
 import statistics
-import time
 from dataclasses import replace
 
-from bench.in_process import make_decoder, run_rounds
+from bench.in_process import make_decoder, run_rounds, step_seconds
 from tests.engine_helpers import new_sequence
 
 DEPTH = 1800
-STEPS = 60
 Q8 = {"kv_bits": 8, "kv_group_size": 32}
 SIDES = {
     "paged, float32 pages": (True, {}),
@@ -27,19 +25,6 @@ SIDES = {
     "batch, q8_0 caches": (False, Q8),
     "batch, float32 caches": (False, {}),
 }
-
-
-def step_seconds(decoder, model, options, prompts) -> float:
-    for prompt in prompts:
-        decoder.add(new_sequence(model, options, prompt, 10_000))
-    while sum(1 for r in decoder.step() if r.tokens) < len(prompts):
-        pass
-    for _ in range(5):
-        decoder.step()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        decoder.step()
-    return (time.perf_counter() - start) / STEPS
 
 
 def measure(model, options, rounds: int) -> dict:

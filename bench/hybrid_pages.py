@@ -1,0 +1,138 @@
+"""A hybrid's recurrent layers on pages against the batch decoder, in-process.
+
+No Qwen3.5 checkpoint is at hand offline, so the model is mlx-lm's own Qwen3.5
+class at a mid size (1024 wide, 12 layers of which 3 attend, 8-bit weights,
+random), saved once under ``bench-results/``. On the engine's compute path,
+in alternating rounds, each decoder's step for 1 and for 4 streams 500 tokens
+deep (the wall time of ``Decoder.step`` over 40 steps), and a 1,000-token
+prompt's time to its first token with nothing else running.
+
+    venv/bin/python -m bench.hybrid_pages [--rounds 3]
+"""
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3_5
+
+from bench.in_process import make_decoder, step_seconds
+from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
+from tests.family_models import _tokenizer_files, family_config
+
+FOLDER = Path("bench-results/hybrid-qwen3_5-1024")
+SIZE = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "full_attention_interval": 4,
+    "intermediate_size": 2816,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "linear_num_value_heads": 16,
+    "linear_num_key_heads": 8,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+}
+QUANTIZATION = {"group_size": 64, "bits": 8}
+DEPTH = 500
+STEPS = 40
+PROMPT = 1000
+
+
+def make_folder(folder: Path) -> Path:
+    if (folder / "config.json").is_file():
+        return folder
+    config = copy.deepcopy(family_config("qwen3_5"))
+    config["text_config"].update(SIZE)
+    mx.random.seed(0)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    nn.quantize(model, **QUANTIZATION)
+    config["quantization"] = QUANTIZATION
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    for name, content in _tokenizer_files().items():
+        (folder / name).write_bytes(content)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def first_token_seconds(decoder, model, options, prompt) -> float:
+    key = decoder.add(new_sequence(model, options, prompt, 1))
+    start = time.perf_counter()
+    while not any(r.key == key and r.tokens for r in decoder.step()):
+        pass
+    return time.perf_counter() - start
+
+
+def measure(model, options, rounds: int) -> dict:
+    rng = random.Random(5)
+
+    def prompt(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(100, 40000) for _ in range(n))
+
+    streams = [prompt(DEPTH) for _ in range(4)]
+    out = {}
+    for round_ in range(rounds):
+        for paged in (True, False) if round_ % 2 == 0 else (False, True):
+            side = "paged" if paged else "batch"
+            cells = out.setdefault(
+                side, {"1 stream": [], "4 streams": [], "prefill": []}
+            )
+            for name, prompts in (("1 stream", streams[:1]), ("4 streams", streams)):
+                decoder = make_decoder(paged, model, options)
+                cells[name].append(
+                    step_seconds(decoder, model, options, prompts, STEPS)
+                )
+                decoder.close()
+            decoder = make_decoder(paged, model, options)
+            cells["prefill"].append(
+                first_token_seconds(decoder, model, options, prompt(PROMPT))
+            )
+            decoder.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    maybe_reexec_with_fast_blas()
+    folder = make_folder(FOLDER)
+    engine = load_engine("speculative:off", model=str(folder.resolve()))
+    try:
+        out = on_engine_thread(
+            engine, lambda model, options: measure(model, options, args.rounds)
+        )
+    finally:
+        engine.shutdown()
+    print(
+        f"hybrid on pages: Qwen3.5 class, {SIZE['hidden_size']} wide, "
+        f"{SIZE['num_hidden_layers']} layers, 8-bit random weights; streams "
+        f"{DEPTH} tokens deep, a {PROMPT}-token prompt alone"
+    )
+    for side, cells in out.items():
+        parts = []
+        for name, runs in cells.items():
+            unit = "s to first token" if name == "prefill" else "ms a step"
+            scale = 1 if name == "prefill" else 1e3
+            values = " / ".join(f"{v * scale:.1f}" for v in runs)
+            parts.append(f"{name} {values} {unit}")
+        print(f"{side}: " + "; ".join(parts))
+    for name in out["paged"]:
+        ratios = [b / p for p, b in zip(out["paged"][name], out["batch"][name])]
+        cells = " / ".join(f"{r:.2f}" for r in ratios)
+        print(f"batch / paged, {name}: {cells} (worst {min(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
