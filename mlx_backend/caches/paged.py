@@ -44,7 +44,10 @@ MIN_ARENA_PAGES = 8
 class LayerShape:
     """One attention layer's KV rows: heads, key and value dims, the model's KV
     dtype, and the dtype its pages store them in (None: the model's), or
-    (``bits``) MLX's affine quantization in groups of ``group_size`` dims."""
+    (``bits``) MLX's affine quantization in groups of ``group_size`` dims.
+    ``latent``: an MLA layer's latent dims (its pages' keys are the latent and
+    the rotary key, its values the latent; mlx-lm's cache keeps the latent as
+    keys and the rotary key as values)."""
 
     kv_heads: int
     key_dims: int
@@ -53,6 +56,7 @@ class LayerShape:
     page_dtype: mx.Dtype | None = None
     bits: int | None = None
     group_size: int = 64
+    latent: int = 0
 
     @property
     def stored(self) -> mx.Dtype:
@@ -339,6 +343,8 @@ class PagedKV:
                 continue
             if bits is not None:
                 keys, values = _dequantized(keys, values, c.group_size, bits)
+            if shape.latent:
+                keys, values = mx.concatenate([keys, values], axis=-1), keys
             self.write(layer, writes, keys[..., :length, :], values[..., :length, :])
 
     def _copy_page(self, source: int, target: int) -> None:
@@ -432,6 +438,8 @@ class PagedPrefix:
         pages = self.lease.pages[: pages_for(self.offset)]
         keys, values = self.lease.kv.read(self.layer, pages, self.offset)
         dtype = None if exact else shape.dtype
+        if shape.latent:
+            keys, values = keys[..., : shape.latent], keys[..., shape.latent :]
         if shape.bits is None:
             cache = KVCache()
             if dtype is not None:

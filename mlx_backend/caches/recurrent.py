@@ -128,38 +128,3 @@ def install_recurrent_ops(mixers: Sequence[type]) -> None:
     for cls in mixers:
         if not hasattr(cls.__call__, "unrouted"):
             cls.__call__ = _routed(cls.__call__)
-
-
-def recurrent_mixers(model: nn.Module, cache: Sequence, tokens: mx.array) -> dict:
-    """For each recurrent layer of mlx-lm's ``cache`` (an ``ArraysCache``), the
-    class whose call runs over it: the innermost that takes that cache, found
-    by running ``tokens`` through ``model``."""
-    layers = {id(c): i for i, c in enumerate(cache) if isinstance(c, ArraysCache)}
-    # The classes that define a call (a subclass runs its parent's).
-    classes = {
-        cls
-        for _, m in model.named_modules()
-        for cls in type(m).__mro__
-        if "__call__" in cls.__dict__ and issubclass(cls, nn.Module)
-    }
-    found = {}
-
-    def recorder(cls, call):
-        def record(self, *args, **kwargs):
-            for a in (*args, *kwargs.values()):
-                if id(a) in layers:
-                    # Outer calls record first: the innermost is written last.
-                    found[layers[id(a)]] = cls
-            return call(self, *args, **kwargs)
-
-        return record
-
-    saved = {cls: cls.__dict__["__call__"] for cls in classes}
-    for cls, call in saved.items():
-        cls.__call__ = recorder(cls, call)
-    try:
-        mx.eval(model(tokens, cache=cache))
-    finally:
-        for cls, call in saved.items():
-            cls.__call__ = call
-    return found

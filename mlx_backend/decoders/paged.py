@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, TokenBuffer
 
+from mlx_backend.caches.mla import install_mla_ops, is_mla
 from mlx_backend.caches.paged import (
     LayerShape,
     PagedKV,
@@ -48,7 +49,6 @@ from mlx_backend.caches.recurrent import (
     State,
     fresh_state,
     install_recurrent_ops,
-    recurrent_mixers,
 )
 from mlx_backend.decoders.base import (
     Capabilities,
@@ -760,8 +760,17 @@ class NotPaged(Exception):
     """The model can't run on the paged pass; the message says why."""
 
 
-def layer_shape(cache, page_dtype: mx.Dtype | None) -> LayerShape:
-    """The pages' shape for a layer of mlx-lm's cache that has run a token."""
+def layer_shape(
+    cache, page_dtype: mx.Dtype | None, module: nn.Module | None = None
+) -> LayerShape:
+    """The pages' shape for a layer of mlx-lm's cache that has run a token
+    (``module``: the attention that runs over it)."""
+    if module is not None and is_mla(module):
+        # Keys the latent and the rotary key side by side, values the latent.
+        latent, rotary = cache.keys.shape[3], cache.values.shape[3]
+        return LayerShape(
+            1, latent + rotary, latent, cache.keys.dtype, page_dtype, latent=latent
+        )
     if isinstance(cache, QuantizedKVCache):
         codes, scales, _ = cache.keys
         return LayerShape(
@@ -826,18 +835,10 @@ def paged_layers(
         raise NotPaged(f"its KV cache has {', '.join(others)} layers")
     tokens = mx.array(PROBE_TOKENS, dtype=mx.uint32)
     n = len(PROBE_TOKENS)
-    mixers = {}
-    if any(isinstance(c, ArraysCache) for c in cache):
-        mixers = recurrent_mixers(
-            model, make_kv_cache(model, options), tokens[None, :1]
-        )
-        missing = [
-            i
-            for i, c in enumerate(cache)
-            if isinstance(c, ArraysCache) and i not in mixers
-        ]
-        if missing:
-            raise NotPaged(f"no one module runs its recurrent layer {missing[0]}")
+    modules = cache_modules(model, make_kv_cache(model, options), tokens[None, :1])
+    missing = [i for i in range(len(cache)) if i not in modules]
+    if missing:
+        raise NotPaged(f"no one module runs its cache's layer {missing[0]}")
     want = [
         model(tokens[None, : n - 1], cache=cache)[0, -1],
         model(tokens[None, n - 1 :], cache=cache)[0, -1],
@@ -850,12 +851,15 @@ def paged_layers(
         (
             RecurrentShape(len(c.cache), _state_nbytes(c))
             if isinstance(c, ArraysCache)
-            else layer_shape(c, page_dtype)
+            else layer_shape(c, page_dtype, modules[i])
         )
-        for c in cache
+        for i, c in enumerate(cache)
     ]
     install_paged_ops()
-    install_recurrent_ops(set(mixers.values()))
+    install_recurrent_ops(
+        {type(m) for i, m in modules.items() if isinstance(cache[i], ArraysCache)}
+    )
+    install_mla_ops({type(m) for m in modules.values() if is_mla(m)})
     kv = PagedKV(paged_shapes(shapes), arena_pages=1)
     pages = tuple(kv.allocate(1))
     states = [fresh_state(s.size) for s in shapes if isinstance(s, RecurrentShape)]
@@ -895,6 +899,40 @@ def paged_layers(
         if not mx.allclose(mine, theirs, rtol=1e-2, atol=atol).item():
             raise NotPaged("a pass over pages does not give the model's logits")
     return shapes
+
+
+def cache_modules(model: nn.Module, cache: list, tokens: mx.array) -> dict:
+    """For each layer of mlx-lm's ``cache``, the module that runs over it: the
+    innermost whose call takes that layer, found by running ``tokens``."""
+    layers = {id(c): i for i, c in enumerate(cache)}
+    # The classes that define a call (a subclass runs its parent's).
+    classes = {
+        cls
+        for _, m in model.named_modules()
+        for cls in type(m).__mro__
+        if "__call__" in cls.__dict__ and issubclass(cls, nn.Module)
+    }
+    found = {}
+
+    def recorder(cls, call):
+        def record(self, *args, **kwargs):
+            for a in (*args, *kwargs.values()):
+                if id(a) in layers:
+                    # Outer calls record first: the innermost is written last.
+                    found[layers[id(a)]] = self
+            return call(self, *args, **kwargs)
+
+        return record
+
+    saved = {cls: cls.__dict__["__call__"] for cls in classes}
+    for cls, call in saved.items():
+        cls.__call__ = recorder(cls, call)
+    try:
+        mx.eval(model(tokens, cache=cache))
+    finally:
+        for cls, call in saved.items():
+            cls.__call__ = call
+    return found
 
 
 def _state_nbytes(cache: ArraysCache) -> int:

@@ -142,9 +142,9 @@ def test_alone_and_in_a_batch_as_mlx_lm(family):
         family.assert_text(text_of(events), prompt)
     status = figures(family)
     assert status["batch_decode_tokens"] > status["batch_decode_steps"]
-    # Every family but MLA's runs in the paged pass on the CPU.
+    # Every family runs in the paged pass on the CPU.
     paged = isinstance(family.engine.served.decoder, PagedDecoder)
-    assert paged == (family.name != "deepseek_v3" and mx.default_device() == mx.cpu)
+    assert paged == (mx.default_device() == mx.cpu)
 
 
 def test_a_second_turn_reuses_the_first(family):

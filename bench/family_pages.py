@@ -1,17 +1,19 @@
-"""A hybrid's recurrent layers on pages against the batch decoder, in-process.
+"""A family's layers on pages against the batch decoder, in-process: Qwen3.5's
+recurrent layers, DeepSeek V3's latent attention (MLA).
 
-No Qwen3.5 checkpoint is at hand offline, so the model is mlx-lm's own Qwen3.5
-class at a mid size (1024 wide, 12 layers of which 3 attend, 8-bit weights,
-random), saved once under ``bench-results/``. On the engine's compute path,
-in alternating rounds, each decoder's step for 1 and for 4 streams 500 tokens
-deep (the wall time of ``Decoder.step`` over 40 steps), and a 1,000-token
-prompt's time to its first token with nothing else running.
+No such checkpoint is at hand offline, so the model is mlx-lm's own class at a
+mid size (1024 wide, 8-bit weights, random; ``SIZES``), saved once under
+``bench-results/``. On the engine's compute path, in alternating rounds, each
+decoder's step for 1 and for 4 streams 500 tokens deep (the wall time of
+``Decoder.step`` over 40 steps), and a 1,000-token prompt's time to its first
+token with nothing else running.
 
-    venv/bin/python -m bench.hybrid_pages [--rounds 3]
+    venv/bin/python -m bench.family_pages [--family qwen3_5] [--rounds 3]
 """
 
 import argparse
 import copy
+import importlib
 import json
 import random
 import statistics
@@ -21,26 +23,46 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen3_5
 
 from bench.in_process import make_decoder, step_seconds
 from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
 from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
 from tests.family_models import _tokenizer_files, family_config
 
-FOLDER = Path("bench-results/hybrid-qwen3_5-1024")
-SIZE = {
-    "hidden_size": 1024,
-    "num_hidden_layers": 12,
-    "full_attention_interval": 4,
-    "intermediate_size": 2816,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "linear_num_value_heads": 16,
-    "linear_num_key_heads": 8,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
+SIZES = {
+    # 12 layers, 3 of them attention.
+    "qwen3_5": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "full_attention_interval": 4,
+        "intermediate_size": 2816,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "linear_num_value_heads": 16,
+        "linear_num_key_heads": 8,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    },
+    # 8 layers of MLA (DeepSeek V3's latent and head widths), 7 of them with 8
+    # experts of which 2 run.
+    "deepseek_v3": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 704,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 384,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+    },
 }
 QUANTIZATION = {"group_size": 64, "bits": 8}
 DEPTH = 500
@@ -48,13 +70,15 @@ STEPS = 40
 PROMPT = 1000
 
 
-def make_folder(folder: Path) -> Path:
+def make_folder(family: str) -> Path:
+    folder = Path(f"bench-results/family-{family}-1024")
     if (folder / "config.json").is_file():
         return folder
-    config = copy.deepcopy(family_config("qwen3_5"))
-    config["text_config"].update(SIZE)
+    config = copy.deepcopy(family_config(family))
+    config.get("text_config", config).update(SIZES[family])
+    module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(0)
-    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     nn.quantize(model, **QUANTIZATION)
     config["quantization"] = QUANTIZATION
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,10 +128,12 @@ def measure(model, options, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(SIZES), default="qwen3_5")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     maybe_reexec_with_fast_blas()
-    folder = make_folder(FOLDER)
+    folder = make_folder(args.family)
+    size = SIZES[args.family]
     engine = load_engine("speculative:off", model=str(folder.resolve()))
     try:
         out = on_engine_thread(
@@ -116,8 +142,8 @@ def main() -> None:
     finally:
         engine.shutdown()
     print(
-        f"hybrid on pages: Qwen3.5 class, {SIZE['hidden_size']} wide, "
-        f"{SIZE['num_hidden_layers']} layers, 8-bit random weights; streams "
+        f"{args.family} on pages: mlx-lm's class, {size['hidden_size']} wide, "
+        f"{size['num_hidden_layers']} layers, 8-bit random weights; streams "
         f"{DEPTH} tokens deep, a {PROMPT}-token prompt alone"
     )
     for side, cells in out.items():
