@@ -1,5 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek V3, GLM-4.7-Flash, Mistral 4, Kimi)
-in a paged pass.
+"""Multi-head latent attention (MLA: DeepSeek V3, GLM-4.7-Flash) in a paged pass.
 
 mlx-lm's MLA attention scores the queries' rotary part against the keys' in a
 matmul of its own, over the cache's whole keys, which a pass over pages does not
@@ -16,7 +15,7 @@ from collections.abc import Iterable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_backend.caches.paged import PagedLayer
+from mlx_backend.caches.paged import PagedLayer, route_calls
 
 # What an attention module of mlx-lm's MLA families has.
 MLA_PARTS = ("embed_q", "unembed_out", "kv_a_proj_with_mqa", "kv_a_layernorm")
@@ -50,19 +49,11 @@ def _over_pages(self, x: mx.array, mask, cache: PagedLayer) -> mx.array:
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def _routed(call):
-    def routed(self, x, mask=None, cache=None):
-        if isinstance(cache, PagedLayer):
-            return _over_pages(self, x, mask, cache)
-        return call(self, x, mask, cache)
-
-    routed.unrouted = call
-    return routed
-
-
 def install_mla_ops(classes: Iterable[type]) -> None:
     """Route the calls of MLA attention ``classes`` over a ``PagedLayer``;
     calls over any other cache go on as they were."""
-    for cls in classes:
-        if not hasattr(cls.__call__, "unrouted"):
-            cls.__call__ = _routed(cls.__call__)
+    route_calls(
+        classes,
+        PagedLayer,
+        lambda module, call, x, mask, cache: _over_pages(module, x, mask, cache),
+    )

@@ -20,9 +20,10 @@ cache: its ``offset`` carries every token's position (``TokenPositions``) and it
 which ``caches/paged_attention.py`` turns into attention per sequence.
 """
 
+import inspect
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -535,3 +536,43 @@ class PagedLayer:
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         return PagedWindow(window_size) if window_size else None
+
+
+def route_calls(classes: Iterable[type], cache_type: type, run: Callable) -> None:
+    """Route the calls ``module(x, mask, cache)`` of ``classes`` whose cache is
+    a ``cache_type`` to ``run(module, call, x, mask, cache)`` (``call``: the
+    class's own); calls over any other cache, and every call of a class whose
+    call takes other arguments (Mamba 1's ``(x, cache)``, Mistral 4's
+    ``(x, attn_scale, mask, cache)``), go on as they were."""
+    for cls in classes:
+        call = cls.__call__
+        if not hasattr(call, "unrouted") and takes_x_mask_cache(call):
+            x = list(inspect.signature(call).parameters)[1]
+            cls.__call__ = _routed(call, cache_type, run, x)
+
+
+def takes_x_mask_cache(call: Callable) -> bool:
+    """Whether ``call(self, x, mask, cache)`` is how a module's call goes."""
+    params = list(inspect.signature(call).parameters.values())[1:]
+    names = [p.name for p in params[:3]]
+    required = [p for p in params[3:] if p.default is inspect.Parameter.empty]
+    kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    return (
+        len(names) == 3
+        and names[1:] == ["mask", "cache"]
+        and all(p.kind in kinds for p in params[:3])
+        and not required
+    )
+
+
+def _routed(call: Callable, cache_type: type, run: Callable, name: str) -> Callable:
+    def routed(self, *args, **kwargs):
+        cache = kwargs["cache"] if "cache" in kwargs else (args[2:3] or [None])[0]
+        if not isinstance(cache, cache_type):
+            return call(self, *args, **kwargs)
+        x = args[0] if args else kwargs[name]
+        mask = kwargs["mask"] if "mask" in kwargs else (args[1:2] or [None])[0]
+        return run(self, call, x, mask, cache)
+
+    routed.unrouted = call
+    return routed

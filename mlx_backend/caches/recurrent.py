@@ -10,13 +10,15 @@ each prompt chunk from its own state, each time on mlx-lm's own
 MLPs outside the mixer still run once over every token.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
+
+from mlx_backend.caches.paged import route_calls
 
 # A layer's state: its arrays, None before a sequence's first token.
 State = tuple[mx.array | None, ...]
@@ -112,19 +114,13 @@ def fresh_state(size: int) -> State:
     return (None,) * size
 
 
-def _routed(call: Callable) -> Callable:
-    def routed(self, x, mask=None, cache=None):
-        if isinstance(cache, RecurrentLayer):
-            return cache.run(lambda *args: call(self, *args), x)
-        return call(self, x, mask, cache)
-
-    routed.unrouted = call
-    return routed
-
-
-def install_recurrent_ops(mixers: Sequence[type]) -> None:
+def install_recurrent_ops(mixers: Iterable[type]) -> None:
     """Route the calls of ``mixers`` (classes) over a ``RecurrentLayer``;
     calls over any other cache go on as they were."""
-    for cls in mixers:
-        if not hasattr(cls.__call__, "unrouted"):
-            cls.__call__ = _routed(cls.__call__)
+    route_calls(
+        mixers,
+        RecurrentLayer,
+        lambda module, call, x, mask, cache: cache.run(
+            lambda *args: call(module, *args), x
+        ),
+    )

@@ -113,6 +113,7 @@ class _Row:
     # tokens run again).
     states: list[State] = field(default_factory=list)
     states_before: list[State] = field(default_factory=list)
+    before: int = 0
     replay: int = 0
 
     @property
@@ -290,16 +291,22 @@ class PagedDecoder(Decoder):
         self._snapshots.pop(key, None)
         state = None
         # A queued pass's proposals are not the sequence's (yet), nor are the
-        # tokens its recurrent states have to run again.
-        held = row.held - row.unverified - row.replay
+        # tokens its recurrent states have to run again; a pass that verifies
+        # leaves its recurrent states past its proposals: the state before it.
+        held, states = row.held - row.unverified - row.replay, row.states
+        if self._recurrent and row.unverified:
+            held, states = row.before, row.states_before
         if keep_state and held:
-            state = self._kept(row, held)
+            state = self._kept(row, held, states)
         self._kv.release(row.pages)
         return state
 
-    def _kept(self, row: _Row, length: int) -> KVState:
+    def _kept(
+        self, row: _Row, length: int, states: list[State] | None = None
+    ) -> KVState:
         """``row``'s first ``length`` tokens as a KV state: its pages held, its
-        recurrent layers' states as mlx-lm's (those are at its last token)."""
+        recurrent layers' ``states`` (by default its own, which are at its last
+        token) as mlx-lm's, copied out of the step's batch."""
         pages = self._kv.prefix(row.pages, length)
         layers = []
         for paged, place in self._places:
@@ -307,7 +314,11 @@ class PagedDecoder(Decoder):
                 layers.append(pages[place])
                 continue
             cache = ArraysCache(self._recurrent[place].size)
-            cache.cache = list(row.states[place])
+            # A row's state may be a view of the step's batch: a copy of its own.
+            cache.cache = [
+                None if a is None else mx.take(a, mx.array([0]), axis=0)
+                for a in (states or row.states)[place]
+            ]
             layers.append(cache)
         return KVState(layers, row.tokens[:length])
 
@@ -380,6 +391,7 @@ class PagedDecoder(Decoder):
             row.replay = 0
             if draft and self._recurrent:
                 row.states_before = list(row.states)
+                row.before = row.held - len(draft) - 1 - again
         if read and decoding:
             ids = [
                 t
@@ -515,6 +527,10 @@ class PagedDecoder(Decoder):
         and none while a draft model still catches up on its prompt (a chunk a
         step)."""
         if row.draft is None or row.returned < row.draft.backoff_until:
+            return 0
+        if row.replay > row.draft_tokens:
+            # Its recurrent states wait for more kept tokens than a pass
+            # proposes: those run alone first (each rejection adds to them).
             return 0
         limit = row.draft_room(unread)
         if not limit or not row.draft.proposer.catch_up(row.tokens):

@@ -448,6 +448,24 @@ def test_rows_that_verify_proposals_decode_as_mlx_lm(family_folder, name):
         key = decoder.add(sequence(model, second, 6, cache=state.cache, rest=rest))
         mine, scores, _ = run_until_done(decoder, {key: "second"})["second"]
         assert_as_reference(mine, scores, reference(model, second, 6))
+    # One that leaves while its pass verifies keeps what that pass started from.
+    prompt = prompts["loop21"]
+    key, got = decoder.add(sequence(model, prompt, 16, draft_tokens=4)), []
+    for _ in range(40):
+        got += [t for r in decoder.step() if r.key == key for t in r.tokens]
+        queued = decoder._queued
+        if any(r.key == key and d for r, d in zip(queued.rows, queued.drafts)):
+            break
+    else:
+        pytest.fail("no pass verified")
+    state = decoder.remove(key)
+    fed = [*prompt, *got]
+    assert state.tokens == fed[: len(state.tokens)]
+    second = (*fed, *prompt_of(6, 31))
+    rest = second[len(state.tokens) :]
+    key = decoder.add(sequence(model, second, 6, cache=state.cache, rest=rest))
+    mine, scores, _ = run_until_done(decoder, {key: "third"})["third"]
+    assert_as_reference(mine, scores, reference(model, second, 6))
 
 
 @pytest.mark.parametrize("verifying", [False, True], ids=["plain", "verifying"])

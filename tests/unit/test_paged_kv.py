@@ -22,6 +22,7 @@ from mlx_backend.caches.paged import (
     Segment,
     make_layout,
     pages_for,
+    route_calls,
 )
 from mlx_backend.caches.paged_attention import (
     gathered_attention,
@@ -398,3 +399,44 @@ def test_the_kernel_rotates_each_token_at_its_own_position(qmm, isa):
         axis=2,
     )
     assert mx.max(mx.abs(got - expected)).item() < 1e-5
+
+
+class _Over:
+    """A cache type calls are routed over."""
+
+
+def test_calls_are_routed_only_over_their_cache_and_only_as_x_mask_cache():
+    """A routed class's call over the cache type runs the route, given its
+    arguments positionally or by name; over any other cache it runs as it was;
+    a class whose call takes other arguments (Mamba 1's ``(x, cache)``,
+    Mistral 4's ``(x, attn_scale, mask, cache)``) is left alone."""
+
+    class Mixer:
+        def __call__(self, x, mask=None, cache=None):
+            return ("own", x, mask, cache)
+
+    class Mamba1:
+        def __call__(self, x, cache):
+            return ("own", x, cache)
+
+    class Scaled:
+        def __call__(self, x, attn_scale, mask=None, cache=None):
+            return ("own", x, attn_scale, mask, cache)
+
+    route_calls(
+        [Mixer, Mamba1, Scaled],
+        _Over,
+        lambda module, call, x, mask, cache: ("routed", x, mask, cache),
+    )
+    over = _Over()
+    assert Mixer()(1, 2, over) == ("routed", 1, 2, over)
+    assert Mixer()(x=1, cache=over) == ("routed", 1, None, over)
+    assert Mixer()(1, mask=2, cache=over) == ("routed", 1, 2, over)
+    assert Mixer()(1, 2, "other") == ("own", 1, 2, "other")
+    assert Mixer()(1) == ("own", 1, None, None)
+    assert Mamba1()(1, over) == ("own", 1, over)
+    assert Scaled()(1, 0.5, 2, over) == ("own", 1, 0.5, 2, over)
+    # Routing twice routes once.
+    call = Mixer.__call__
+    route_calls([Mixer], _Over, lambda *args: "again")
+    assert Mixer.__call__ is call
