@@ -404,7 +404,7 @@ class PagedDecoder(Decoder):
             inputs.append(queued.tokens[picks].astype(mx.uint32))
         rows = self._work(segments)
         sizes = self.pacer.chunks(
-            rows, [(r.held, len(r.prompt)) for r in prompts], read
+            rows, [(r.held, self._chunk_room(r)) for r in prompts], read
         )
         # The rows that sample this step: decoding ones, then prompts' last chunks.
         sampling = list(decoding)
@@ -414,9 +414,6 @@ class PagedDecoder(Decoder):
         for row, size in zip(prompts, sizes):
             if not size:
                 break
-            if self._recurrent and row.snapshots:
-                # A recurrent state is a chunk's end: one ends at each snapshot.
-                size = min(size, row.snapshots[0] - row.held)
             part = row.prompt[:size]
             start = decoded + len(chunk)
             segments.append(self._extend(row, start, len(part), row.held + len(part)))
@@ -464,6 +461,14 @@ class PagedDecoder(Decoder):
             self._work(segments[len(decoding) :]),
             read_first=read,
         )
+
+    def _chunk_room(self, row: _Row) -> int:
+        """The most tokens ``row``'s next chunk may take: the rest of its
+        prompt, up to its next snapshot where it has recurrent layers (their
+        state exists only where a chunk ends)."""
+        if self._recurrent and row.snapshots:
+            return min(len(row.prompt), row.snapshots[0] - row.held)
+        return len(row.prompt)
 
     def _views(self, layout, segments, decoding, chunked) -> list:
         """Each layer's cache for the step: its pages, or the recurrent states
