@@ -17,16 +17,15 @@ import importlib
 import json
 import random
 import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from bench.in_process import make_decoder, step_seconds
+from bench.in_process import first_token_seconds, make_decoder, step_seconds
 from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
-from tests.engine_helpers import load_engine, new_sequence, on_engine_thread
+from tests.engine_helpers import load_engine, on_engine_thread
 from tests.family_models import _tokenizer_files, family_config
 
 SIZES = {
@@ -88,14 +87,6 @@ def make_folder(family: str) -> Path:
         (folder / name).write_bytes(content)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
-
-
-def first_token_seconds(decoder, model, options, prompt) -> float:
-    key = decoder.add(new_sequence(model, options, prompt, 1))
-    start = time.perf_counter()
-    while not any(r.key == key and r.tokens for r in decoder.step()):
-        pass
-    return time.perf_counter() - start
 
 
 def measure(model, options, rounds: int) -> dict:

@@ -1,6 +1,7 @@
 """What the in-process decoder benches share (``bench.kv_pages``,
-``bench.step_anatomy``): the command line, an engine on the embedded model with
-the fast BLAS preloaded as the server has it, and a decoder of either kind."""
+``bench.step_anatomy``, ``bench.family_pages``, ``bench.speculating_rows``): the
+command line, an engine on the embedded model with the fast BLAS preloaded as
+the server has it, a decoder of either kind, a step's time and a prompt's."""
 
 import argparse
 import time
@@ -48,3 +49,15 @@ def step_seconds(decoder, model, options, prompts, steps: int = 60) -> float:
     for _ in range(steps):
         decoder.step()
     return (time.perf_counter() - start) / steps
+
+
+def first_token_seconds(decoder, model, options, prompt) -> float:
+    """A prompt's time to its first token on ``decoder`` as it is (nothing else
+    on it: the prompt's time alone); the sequence leaves it after."""
+    key = decoder.add(new_sequence(model, options, prompt, 1))
+    start = time.perf_counter()
+    while not any(r.key == key and r.tokens for r in decoder.step()):
+        pass
+    seconds = time.perf_counter() - start
+    decoder.remove(key, keep_state=False)
+    return seconds

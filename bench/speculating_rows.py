@@ -35,7 +35,7 @@ def measure(engine, model, options, warm: int, round_: int) -> dict:
     tokenizer = engine.info.tokenizer
     ids = tokenizer.encode(f"Round {round_}. " + LONG_TEXT * 300)[:PROMPT_TOKENS]
     prompt = tuple(ids)
-    alone_s = prefill_alone(decoder, model, options, prompt)
+    alone_s = first_token_seconds(decoder, model, options, prompt)
     steps = []
     observe = decoder.pacer.observe
 
@@ -94,18 +94,6 @@ def measure(engine, model, options, warm: int, round_: int) -> dict:
         "max_over_rows": max(s[0] / s[4] for s in chunked),
         "streamed": streamed,
     }
-
-
-def prefill_alone(decoder, model, options, prompt) -> float:
-    """The prompt's first token with nothing else on the decoder."""
-    key = decoder.add(new_sequence(model, options, prompt, 1))
-    start = time.perf_counter()
-    while not any(r.key == key and r.tokens for r in decoder.step()):
-        pass
-    seconds = time.perf_counter() - start
-    decoder.remove(key, keep_state=False)
-    decoder.step()
-    return seconds
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ class RecurrentLayer:
             outs.append(run_rows(mixer, x, lengths, cache))
             for i in range(rows):
                 self.new_states[i] = tuple(
-                    c if c is None or rows == 1 else c[i : i + 1] for c in cache.cache
+                    c if rows == 1 else c[i : i + 1] for c in cache.cache
                 )
         for i, (start, tokens) in enumerate(self.layout.chunks, rows):
             cache = ArraysCache(self.size)
@@ -95,19 +95,12 @@ def run_rows(mixer: Callable, x: mx.array, lengths, cache: ArraysCache) -> mx.ar
     return out.reshape(rows * longest, -1)[mx.array(kept)][None]
 
 
-def stacked(states: Sequence[State]) -> list[mx.array | None]:
-    """Rows' states as one batch's (a row without an array: zeros)."""
+def stacked(states: Sequence[State]) -> list[mx.array]:
+    """Decode rows' states as one batch's (a decoding row's prompt has run, so
+    every array of its state is there)."""
     if len(states) == 1:
         return list(states[0])
-    out = []
-    for arrays in zip(*states):
-        given = next((a for a in arrays if a is not None), None)
-        if given is None:
-            out.append(None)
-            continue
-        zeros = mx.zeros_like(given)
-        out.append(mx.concatenate([zeros if a is None else a for a in arrays]))
-    return out
+    return [mx.concatenate(arrays) for arrays in zip(*states)]
 
 
 def fresh_state(size: int) -> State:

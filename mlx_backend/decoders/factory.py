@@ -93,11 +93,6 @@ def refuse_kv_dtype(options: LoadOptions, why_not: str) -> None:
         )
 
 
-def speculates(options: LoadOptions) -> bool:
-    """Whether the options leave speculative decoding on."""
-    return options.speculative != "off" and options.num_draft_tokens != 0
-
-
 def use_paged(options: LoadOptions) -> bool:
     """Whether the options ask for the paged pass: ``paged``, where "auto" is on
     the CPU (on a GPU it waits for a lent device's measurement)."""
@@ -122,7 +117,7 @@ def make_decoder(
     inner = make_plain_decoder(model, options, pace, budget, paged)
     kinds = {layer_kind(c) for c in make_kv_cache(model, options)}
     why = None
-    if not speculates(options):
+    if options.speculative == "off" or options.num_draft_tokens == 0:
         why = "turned off by the options"
     elif "other" in kinds:
         why = "the KV cache has layers it can neither trim nor hold"

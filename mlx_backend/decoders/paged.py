@@ -473,19 +473,13 @@ class PagedDecoder(Decoder):
     def _views(self, layout, segments, decoding, chunked) -> list:
         """Each layer's cache for the step: its pages, or the recurrent states
         of its segments (the decoding rows', then the chunks')."""
-        if self._recurrent:
-            runs = RecurrentLayout(
-                tuple(s.tokens for s in segments[: len(decoding)]),
-                tuple((s.start, s.tokens) for s in segments[len(decoding) :]),
-            )
-        views = []
-        for paged, place in self._places:
-            if paged:
-                views.append(PagedLayer(self._kv, place, layout))
-                continue
-            states = [r.states[place] for r in decoding + chunked]
-            views.append(RecurrentLayer(runs, states, self._recurrent[place].size))
-        return views
+        runs = RecurrentLayout(
+            tuple(s.tokens for s in segments[: len(decoding)]),
+            tuple((s.start, s.tokens) for s in segments[len(decoding) :]),
+        )
+        rows = decoding + chunked
+        states = [[r.states[i] for r in rows] for i in range(len(self._recurrent))]
+        return layer_views(self._kv, self._shapes, layout, runs, states)
 
     def _took_states(self, views: list, rows: list[_Row]) -> list[mx.array]:
         """The rows' recurrent states after the step's pass (lazy: queued with
@@ -822,6 +816,19 @@ def places(shapes) -> list[tuple[bool, int]]:
     return out
 
 
+def layer_views(kv: PagedKV, shapes, layout, runs: RecurrentLayout, states) -> list:
+    """Each layer's cache for a pass: its pages, or, a recurrent layer, its run
+    of ``runs`` from ``states`` (per recurrent layer, each segment's)."""
+    return [
+        (
+            PagedLayer(kv, place, layout)
+            if paged
+            else RecurrentLayer(runs, states[place], shape.size)
+        )
+        for (paged, place), shape in zip(places(shapes), shapes)
+    ]
+
+
 def paged_shapes(shapes) -> list[LayerShape]:
     return [s for s in shapes if isinstance(s, LayerShape)]
 
@@ -895,12 +902,7 @@ def paged_layers(
             (Segment(0, 1, n, pages), tokens[n - 1 :], RecurrentLayout((1,), ())),
         ):
             layout = kv.layout([segment])
-            views = []
-            for (paged, place), shape in zip(places(shapes), shapes):
-                if paged:
-                    views.append(PagedLayer(kv, place, layout))
-                else:
-                    views.append(RecurrentLayer(runs, [states[place]], shape.size))
+            views = layer_views(kv, shapes, layout, runs, [[s] for s in states])
             got.append(model(part[None], cache=views)[0, -1])
             states = [v.new_states[0] for v in views if isinstance(v, RecurrentLayer)]
             mx.eval(got, states)
