@@ -109,6 +109,8 @@ class ThreadSafeLRUPromptCache:
           first ``n`` tokens only, or None where it can't make one; a longer
           entry that serves a shorter prompt is otherwise copied whole and
           trimmed.
+        floor_fn: ``floor_fn(prompt_cache) -> int``, the fewest tokens a trim
+          may leave it (default 0: any); a trim deeper than that is not made.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class ThreadSafeLRUPromptCache:
         max_bytes: int = 1 << 62,
         size_fn: Callable[[list], int] = cache_nbytes,
         copy_prefix_fn: Callable[[list, int], list | None] | None = None,
+        floor_fn: Callable[[list], int] | None = None,
     ):
         self.max_size = max_size
         self.max_bytes = max_bytes
@@ -126,6 +129,7 @@ class ThreadSafeLRUPromptCache:
         self._can_trim = can_trim_fn
         self._trim = trim_fn
         self._copy_prefix = copy_prefix_fn
+        self._floor = floor_fn
         self._trie = LinearPromptTrie()
         self._lru: OrderedDict[tuple[Hashable, tuple[int, ...]], _Entry] = OrderedDict()
         self._nbytes = 0
@@ -169,7 +173,7 @@ class ThreadSafeLRUPromptCache:
             ):
                 key = (model_key, tuple(found.longer))
                 entry = self._lru[key]
-                if self._trimmable(entry.prompt_cache):
+                if self._trimmable(entry.prompt_cache, found.common_prefix):
                     self._lru.move_to_end(key)
                     cache = self._prefix_of(entry.prompt_cache, found.common_prefix)
                     if cache is None:
@@ -208,7 +212,7 @@ class ThreadSafeLRUPromptCache:
             self._trie.add(model_key, key[1], entry)
             self._lru[key] = entry
             self._nbytes += nbytes
-            if self._trimmable(prompt_cache):
+            if self._trimmable(prompt_cache, 0):
                 # A trimmable entry serves all its prefixes, so they only take space.
                 for length, prefix in self._trie.pop_prefixes(model_key, key[1]):
                     self._forget((model_key, key[1][:length]), prefix)
@@ -227,13 +231,15 @@ class ThreadSafeLRUPromptCache:
         tokens = list(tokens)
         with self._lock:
             exact = self._lru.get((model_key, tuple(tokens)))
-            untrimmable = exact is not None and not self._trimmable(exact.prompt_cache)
+            untrimmable = exact is not None and not self._trimmable(
+                exact.prompt_cache, len(tokens) - 1
+            )
         if untrimmable:
             prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens[:-1])
             return prompt_cache, [*rest, tokens[-1]]
         prompt_cache, rest = self.fetch_nearest_cache(model_key, tokens)
         if prompt_cache is not None and not rest:
-            if self._trimmable(prompt_cache):
+            if self._trimmable(prompt_cache, len(tokens) - 1):
                 self._trim(prompt_cache, 1)
                 return prompt_cache, tokens[-1:]
             return None, tokens
@@ -270,7 +276,7 @@ class ThreadSafeLRUPromptCache:
             shorter = len(found.shorter) if found.shorter is not None else 0
             if found.longer is not None and found.common_prefix > max(shorter, 1):
                 entry = self._lru[(model_key, tuple(found.longer))]
-                if self._trimmable(entry.prompt_cache):
+                if self._trimmable(entry.prompt_cache, found.common_prefix):
                     return found.common_prefix
             return shorter
 
@@ -315,8 +321,12 @@ class ThreadSafeLRUPromptCache:
             self._lru.clear()
             self._nbytes = 0
 
-    def _trimmable(self, prompt_cache: list) -> bool:
-        return self._can_trim is not None and self._can_trim(prompt_cache)
+    def _trimmable(self, prompt_cache: list, to: int) -> bool:
+        """Whether ``prompt_cache`` may be trimmed to ``to`` tokens."""
+        floor = self._floor(prompt_cache) if self._floor is not None else 0
+        return (
+            self._can_trim is not None and self._can_trim(prompt_cache) and floor <= to
+        )
 
     def _prefix_of(self, prompt_cache: list, n: int) -> list | None:
         # A long entry's whole copy would cost a step's time to serve a short
@@ -329,7 +339,9 @@ class ThreadSafeLRUPromptCache:
         # An entry that can't be trimmed serves only its own tokens, which no
         # longer entry can give back: it stays (opaque entries, with no can_trim_fn,
         # are handed over).
-        stays = self._can_trim is not None and not self._can_trim(entry.prompt_cache)
+        stays = self._can_trim is not None and not self._trimmable(
+            entry.prompt_cache, len(tokens) - 1
+        )
         if entry.count > 1 or stays:
             entry.count = max(entry.count - 1, 1)
             self._lru.move_to_end(key)

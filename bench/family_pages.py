@@ -1,12 +1,14 @@
 """A family's layers on pages against the batch decoder, in-process: Qwen3.5's
-recurrent layers, DeepSeek V3's latent attention (MLA).
+recurrent layers, DeepSeek V3's latent attention (MLA), Gemma 3's sliding
+windows.
 
 No such checkpoint is at hand offline, so the model is mlx-lm's own class at a
 mid size (1024 wide, 8-bit weights, random; ``SIZES``), saved once under
 ``bench-results/``. On the engine's compute path, in alternating rounds, each
 decoder's step for 1 and for 4 streams 500 tokens deep (the wall time of
-``Decoder.step`` over 40 steps), and a 1,000-token prompt's time to its first
-token with nothing else running.
+``Decoder.step`` over 40 steps), and a prompt's time to its first token with
+nothing else running (1,000 tokens; Gemma 3's 4,000, past its windows) and the
+KV bytes its sequence holds then.
 
     venv/bin/python -m bench.family_pages [--family qwen3_5] [--rounds 3]
 """
@@ -23,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from bench.in_process import first_token_seconds, make_decoder, step_seconds
+from bench.in_process import first_token, make_decoder, step_seconds
 from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
 from tests.engine_helpers import load_engine, on_engine_thread
 from tests.family_models import _tokenizer_files, family_config
@@ -62,11 +64,25 @@ SIZES = {
         "n_group": 1,
         "topk_group": 1,
     },
+    # 12 layers, 10 of them sliding windows of 512 (Gemma 3 1B's window, head
+    # width and one KV head).
+    "gemma3_text": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "intermediate_size": 2816,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+    },
 }
 QUANTIZATION = {"group_size": 64, "bits": 8}
 DEPTH = 500
 STEPS = 40
 PROMPT = 1000
+PROMPTS = {"gemma3_text": 4000}
 
 
 def make_folder(family: str) -> Path:
@@ -89,7 +105,7 @@ def make_folder(family: str) -> Path:
     return folder
 
 
-def measure(model, options, rounds: int) -> dict:
+def measure(model, options, rounds: int, length: int) -> dict:
     rng = random.Random(5)
 
     def prompt(n: int) -> tuple[int, ...]:
@@ -101,7 +117,7 @@ def measure(model, options, rounds: int) -> dict:
         for paged in (True, False) if round_ % 2 == 0 else (False, True):
             side = "paged" if paged else "batch"
             cells = out.setdefault(
-                side, {"1 stream": [], "4 streams": [], "prefill": []}
+                side, {"1 stream": [], "4 streams": [], "prefill": [], "KV": []}
             )
             for name, prompts in (("1 stream", streams[:1]), ("4 streams", streams)):
                 decoder = make_decoder(paged, model, options)
@@ -110,9 +126,9 @@ def measure(model, options, rounds: int) -> dict:
                 )
                 decoder.close()
             decoder = make_decoder(paged, model, options)
-            cells["prefill"].append(
-                first_token_seconds(decoder, model, options, prompt(PROMPT))
-            )
+            seconds, held = first_token(decoder, model, options, prompt(length))
+            cells["prefill"].append(seconds)
+            cells["KV"].append(held)
             decoder.close()
     return out
 
@@ -124,24 +140,26 @@ def main() -> None:
     args = parser.parse_args()
     maybe_reexec_with_fast_blas()
     folder = make_folder(args.family)
-    size = SIZES[args.family]
+    size, length = SIZES[args.family], PROMPTS.get(args.family, PROMPT)
     engine = load_engine("speculative:off", model=str(folder.resolve()))
     try:
         out = on_engine_thread(
-            engine, lambda model, options: measure(model, options, args.rounds)
+            engine, lambda model, options: measure(model, options, args.rounds, length)
         )
     finally:
         engine.shutdown()
     print(
         f"{args.family} on pages: mlx-lm's class, {size['hidden_size']} wide, "
         f"{size['num_hidden_layers']} layers, 8-bit random weights; streams "
-        f"{DEPTH} tokens deep, a {PROMPT}-token prompt alone"
+        f"{DEPTH} tokens deep, a {length}-token prompt alone"
     )
     for side, cells in out.items():
         parts = []
         for name, runs in cells.items():
-            unit = "s to first token" if name == "prefill" else "ms a step"
-            scale = 1 if name == "prefill" else 1e3
+            unit, scale = {
+                "prefill": ("s to first token", 1),
+                "KV": ("MB held then", 1e-6),
+            }.get(name, ("ms a step", 1e3))
             values = " / ".join(f"{v * scale:.1f}" for v in runs)
             parts.append(f"{name} {values} {unit}")
         print(f"{side}: " + "; ".join(parts))

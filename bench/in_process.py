@@ -54,10 +54,17 @@ def step_seconds(decoder, model, options, prompts, steps: int = 60) -> float:
 def first_token_seconds(decoder, model, options, prompt) -> float:
     """A prompt's time to its first token on ``decoder`` as it is (nothing else
     on it: the prompt's time alone); the sequence leaves it after."""
-    key = decoder.add(new_sequence(model, options, prompt, 1))
+    return first_token(decoder, model, options, prompt)[0]
+
+
+def first_token(decoder, model, options, prompt) -> tuple[float, int]:
+    """``first_token_seconds``, and the KV bytes its sequence holds then (it
+    asks a second token: a finished sequence leaves the batch decoder's batch)."""
+    key = decoder.add(new_sequence(model, options, prompt, 2))
     start = time.perf_counter()
     while not any(r.key == key and r.tokens for r in decoder.step()):
         pass
     seconds = time.perf_counter() - start
+    held = decoder.kv_nbytes()
     decoder.remove(key, keep_state=False)
-    return seconds
+    return seconds, held

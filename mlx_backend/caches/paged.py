@@ -24,21 +24,28 @@ import inspect
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_backend.caches.quantized_kv import QuantizedKVCache
 
 # Tokens a page holds: the CPU attention kernel's key block, so that a block of
 # keys never straddles two pages.
 PAGE_TOKENS = 32
+# A table's entry for a page freed behind a sliding window (or never loaded).
+HOLE = -1
 # An arena's bytes across every layer's keys and values (at least MIN_ARENA_PAGES
 # pages): a new arena's first use fills it, about 25 ms for these 64 MB here.
 ARENA_BYTES = 64 << 20
 MIN_ARENA_PAGES = 8
+
+
+class MissingKeys(Exception):
+    """A cached state lacks keys its next token sees (a sliding window's whose
+    first tokens held start too late); the message says which."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,9 @@ class LayerShape:
     (``bits``) MLX's affine quantization in groups of ``group_size`` dims.
     ``latent``: an MLA layer's latent dims (its pages' keys are the latent and
     the rotary key, its values the latent; mlx-lm's cache keeps the latent as
-    keys and the rotary key as values)."""
+    keys and the rotary key as values). ``window``: a sliding window's keys (0:
+    the layer sees every key); such a layer's pages behind its window are freed
+    (``caches/page_tables.py``)."""
 
     kv_heads: int
     key_dims: int
@@ -58,6 +67,7 @@ class LayerShape:
     bits: int | None = None
     group_size: int = 64
     latent: int = 0
+    window: int = 0
 
     @property
     def stored(self) -> mx.Dtype:
@@ -84,12 +94,13 @@ class LayerShape:
 @dataclass(frozen=True)
 class Segment:
     """One sequence's tokens in a step: where they start on the step's token axis,
-    how many, the context they see (those tokens included), and its pages."""
+    how many, the context they see (those tokens included), and its pages (a
+    ``PagedStore``'s: a table per group of layers)."""
 
     start: int
     tokens: int
     context: int
-    pages: tuple[int, ...]
+    pages: tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,8 @@ def make_layout(segments: Sequence[Segment], arena_pages: int) -> StepLayout:
     tables = np.zeros((len(segments), widest), dtype=np.int32)
     for i, s in enumerate(segments):
         tables[i, : len(s.pages)] = s.pages
+    # A hole is never read (attention starts at its window): any page will do.
+    np.maximum(tables, 0, out=tables)
     rows = np.array([(s.start, s.tokens, s.context) for s in segments], np.int32)
     return StepLayout(
         mx.array(np.concatenate(positions)),
@@ -224,14 +237,19 @@ class PagedKV:
         return taken
 
     def retain(self, pages: Sequence[int]) -> None:
-        """One more holder for each of ``pages``."""
+        """One more holder for each of ``pages`` (holes skipped)."""
         for page in pages:
+            if page == HOLE:
+                continue
             assert self._refs[page] > 0, "retaining a free page"
             self._refs[page] += 1
 
     def release(self, pages: Sequence[int]) -> None:
-        """One holder fewer for each of ``pages``; those left with none are free."""
+        """One holder fewer for each of ``pages`` (holes skipped); those left
+        with none are free."""
         for page in pages:
+            if page == HOLE:
+                continue
             assert self._refs[page] > 0, "releasing a free page"
             self._refs[page] -= 1
             if self._refs[page] == 0:
@@ -268,40 +286,45 @@ class PagedKV:
             for w in writes:
                 arenas[w.arena][w.rows] = rows if w.tokens is None else rows[w.tokens]
 
-    def read(self, layer: int, pages: Sequence[int], length: int):
-        """The first ``length`` tokens' keys and values of a table of ``pages``,
-        each ``[1, heads, length, dims]``; where the layer is quantized, each the
-        triple of codes, scales and biases that ``mx.quantize`` returns."""
-        pages = np.asarray(pages, dtype=np.int32)
+    def read(self, layer: int, pages: Sequence[int], length: int, start: int = 0):
+        """Tokens ``start`` to ``length`` of a table of ``pages``: their keys and
+        values, each ``[1, heads, tokens, dims]``; where the layer is quantized,
+        each the triple of codes, scales and biases that ``mx.quantize``
+        returns."""
+        first = start // PAGE_TOKENS
+        pages = np.asarray(pages[first : pages_for(length)], dtype=np.int32)
+        skip = start - first * PAGE_TOKENS
         parts = [
-            _rows(arenas, pages, self.arena_pages, length)
+            _rows(arenas, pages, self.arena_pages, length - first * PAGE_TOKENS)[
+                ..., skip:, :
+            ]
             for arenas in self.planes[layer]
         ]
         if self.shapes[layer].bits is None:
             return tuple(parts)
         return tuple(parts[:3]), tuple(parts[3:])
 
-    def read_float(self, layer: int, pages: Sequence[int], length: int):
+    def read_float(self, layer: int, pages: Sequence[int], length: int, start=0):
         """``read``'s keys and values, dequantized where the layer is quantized."""
         shape = self.shapes[layer]
-        keys, values = self.read(layer, pages, length)
+        keys, values = self.read(layer, pages, length, start)
         if shape.bits is None:
             return keys, values
         return _dequantized(keys, values, shape.group_size, shape.bits)
 
-    def prefix(self, pages: Sequence[int], length: int) -> list["PagedPrefix"]:
-        """The first ``length`` tokens of a table of ``pages`` as a KV state of
-        their own, per layer: it holds the pages, copying nothing."""
-        lease = PageLease(self, pages[: pages_for(length)])
+    def prefix(self, table: "Table", length: int) -> list["PagedPrefix"]:
+        """The first ``length`` tokens of ``table`` as a KV state of their own,
+        per layer: it holds the pages, copying nothing."""
+        lease = PageLease(self, table.pages[: pages_for(length)], table.start)
         return [PagedPrefix(lease, layer, length) for layer in range(len(self.shapes))]
 
-    def take(self, cache: Sequence, length: int) -> list[int]:
-        """A new table of pages holding the first ``length`` tokens of ``cache``.
-        A ``PagedPrefix`` of this store lends its full pages, and the page the
+    def take(self, cache: Sequence, length: int) -> "Table":
+        """A new table holding the first ``length`` tokens of ``cache``. A
+        ``PagedPrefix`` of this store lends its full pages, and the page the
         table's owner writes next is copied; mlx-lm caches (or another store's
-        pages) are loaded into new pages."""
-        if not self.shapes:
-            return self.allocate(pages_for(length))
+        pages) are loaded into new pages: a sliding window's state that went
+        round, its last tokens at their places (the pages before them holes).
+        Raises ``MissingKeys`` where those lack a key the next token sees."""
         first = cache[0]
         if isinstance(first, PagedPrefix) and first.lease.kv is self:
             pages = list(first.lease.pages[: pages_for(length)])
@@ -311,34 +334,41 @@ class PagedKV:
                 self._copy_page(pages[full], own)
                 pages[full] = own
             self.retain(pages[:full])
-            return pages
+            return Table(pages, first.lease.start)
         if isinstance(first, PagedPrefix):
             cache = [layer.to_kv_cache(exact=True) for layer in cache]
-        pages = self.allocate(pages_for(length))
+        start = max(map(first_held, cache))
+        # The first key the next token sees.
+        sees = max(length - min(s.window or length for s in self.shapes), 0)
+        if start > sees:
+            raise MissingKeys(f"its keys start at token {start} of {length}")
+        skipped = start // PAGE_TOKENS
+        pages = [HOLE] * skipped + self.allocate(pages_for(length) - skipped)
         try:
-            self.load(pages, cache, length)
+            self.load(pages, cache, length, start)
         except Exception:
             self.release(pages)
             raise
-        return pages
+        return Table(pages, start)
 
-    def load(self, pages: Sequence[int], cache: Sequence[KVCache], length: int):
-        """The first ``length`` tokens of mlx-lm caches into ``pages``."""
-        at = np.arange(length, dtype=np.int32)
+    def load(
+        self, pages: Sequence[int], cache: Sequence[KVCache], length: int, start=0
+    ):
+        """Tokens ``start`` to ``length`` of mlx-lm caches into ``pages``."""
+        at = np.arange(start, length, dtype=np.int32)
         writes = _writes(_slots(pages, at), self.arena_pages)
         for layer, c in enumerate(cache):
             shape, bits = self.shapes[layer], getattr(c, "bits", None)
-            keys, values = c.keys, c.values
+            keys, values = in_order(c, start, length)
             if bits is not None and (bits, c.group_size) == (
                 shape.bits,
                 shape.group_size,
             ):
                 # Quantized alike: its codes as they are, scales and biases
                 # in float32 (every third part from the first is codes).
-                parts = [x[..., :length, :] for x in (*keys, *values)]
                 parts = [
                     x if i % 3 == 0 else x.astype(mx.float32)
-                    for i, x in enumerate(parts)
+                    for i, x in enumerate((*keys, *values))
                 ]
                 self._write_planes(layer, writes, parts)
                 continue
@@ -346,7 +376,7 @@ class PagedKV:
                 keys, values = _dequantized(keys, values, c.group_size, bits)
             if shape.latent:
                 keys, values = mx.concatenate([keys, values], axis=-1), keys
-            self.write(layer, writes, keys[..., :length, :], values[..., :length, :])
+            self.write(layer, writes, keys, values)
 
     def _copy_page(self, source: int, target: int) -> None:
         (sa, s), (ta, t) = divmod(source, self.arena_pages), divmod(
@@ -373,6 +403,37 @@ class PagedKV:
         self._free = list(range(first + more - 1, first - 1, -1)) + self._free
 
 
+def first_held(cache: KVCache) -> int:
+    """The first position whose keys and values a layer of mlx-lm's cache holds:
+    a sliding window's, past its window, only its last tokens'."""
+    if isinstance(cache, RotatingKVCache):
+        return cache.offset - min(cache.offset, cache.keys.shape[2])
+    return 0
+
+
+def in_order(cache: KVCache, start: int, length: int) -> tuple:
+    """Keys and values of positions ``start`` to ``length`` of a layer of
+    mlx-lm's cache (quantized: ``mx.quantize`` triples); a sliding window's
+    ring read in the order its tokens came."""
+    keys, values = cache.keys, cache.values
+    if isinstance(cache, RotatingKVCache):
+        # Its state: keys, values, offset, keep (0 here), size, next slot.
+        at, since = cache.state[5], first_held(cache)
+        keys, values = (
+            (
+                mx.concatenate([x[..., at:, :], x[..., :at, :]], axis=2)
+                if at < min(cache.offset, x.shape[2])
+                else x
+            )
+            for x in (keys, values)
+        )
+        start, length = start - since, length - since
+    if isinstance(keys, (tuple, list)):
+        # Quantized: codes, scales and biases.
+        return tuple(tuple(p[..., start:length, :] for p in x) for x in (keys, values))
+    return keys[..., start:length, :], values[..., start:length, :]
+
+
 def layer_page_nbytes(shape: LayerShape) -> int:
     """Bytes of one page of one layer, keys and values."""
     row = sum(width * dtype.size for width, dtype in shape.planes)
@@ -391,11 +452,22 @@ def _quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, ...]:
     return tuple(mx.quantize(x.astype(mx.float32), group_size=group_size, bits=bits))
 
 
-class PageLease:
-    """Pages of a store held for as long as this object lives."""
+@dataclass
+class Table:
+    """A sequence's pages in a store: page ``i`` holds its tokens from
+    ``i * PAGE_TOKENS`` on. ``start``: the first token it holds; the pages
+    before it are holes (behind a sliding window, or never loaded)."""
 
-    def __init__(self, kv: PagedKV, pages: Sequence[int]):
-        self.kv, self.pages = kv, tuple(pages)
+    pages: list[int] = field(default_factory=list)
+    start: int = 0
+
+
+class PageLease:
+    """Pages of a store held for as long as this object lives (``start``: the
+    first token they hold)."""
+
+    def __init__(self, kv: PagedKV, pages: Sequence[int], start: int = 0):
+        self.kv, self.pages, self.start = kv, tuple(pages), start
         kv.retain(self.pages)
         weakref.finalize(self, kv._dropped.append, self.pages)
 
@@ -403,9 +475,10 @@ class PageLease:
 class PagedPrefix:
     """One layer of a KV state whose tokens live in pages: a paged decoder's
     sequence that left, kept by the prompt cache. The prompt cache trims and
-    copies it as any growing cache (a copy shares the pages, a trim shortens it),
-    and a paged decoder that starts a sequence from it shares them (``PagedKV.take``).
-    """
+    copies it as any growing cache (a copy shares the pages, a trim shortens it;
+    a sliding window's whose first pages were freed, to no fewer tokens than
+    ``floor``), and a paged decoder that starts a sequence from it shares them
+    (``PagedKV.take``)."""
 
     def __init__(self, lease: PageLease, layer: int, offset: int):
         self.lease, self.layer, self.offset = lease, layer, offset
@@ -418,13 +491,21 @@ class PagedPrefix:
     @property
     def nbytes(self) -> int:
         shape = self.lease.kv.shapes[self.layer]
-        return pages_for(self.offset) * layer_page_nbytes(shape)
+        held = pages_for(self.offset) - self.lease.start // PAGE_TOKENS
+        return held * layer_page_nbytes(shape)
+
+    @property
+    def floor(self) -> int:
+        """The fewest tokens it may be trimmed to: where its window holds
+        every key the next token sees."""
+        start = self.lease.start
+        return start + self.lease.kv.shapes[self.layer].window if start else 0
 
     def is_trimmable(self) -> bool:
-        return True
+        return self.offset > self.floor
 
     def trim(self, n: int) -> int:
-        n = min(self.offset, n)
+        n = min(self.offset - self.floor, n)
         self.offset -= n
         return n
 
@@ -433,18 +514,26 @@ class PagedPrefix:
 
     def to_kv_cache(self, exact: bool = False) -> KVCache:
         """A copy of its tokens as mlx-lm's cache (a prompt file, a Score job):
-        a quantized layer's as the project's ``QuantizedKVCache``. In the model's
-        dtype, or (``exact``, for another store's pages) in the pages' own."""
+        a quantized layer's as the project's ``QuantizedKVCache``, a sliding
+        window's whose first pages were freed as a ``RotatingKVCache`` past its
+        window. In the model's dtype, or (``exact``, for another store's pages)
+        in the pages' own."""
         shape = self.lease.kv.shapes[self.layer]
         pages = self.lease.pages[: pages_for(self.offset)]
-        keys, values = self.lease.kv.read(self.layer, pages, self.offset)
+        start = max(self.offset - shape.window, 0) if self.lease.start else 0
+        keys, values = self.lease.kv.read(self.layer, pages, self.offset, start)
         dtype = None if exact else shape.dtype
         if shape.latent:
             keys, values = keys[..., : shape.latent], keys[..., shape.latent :]
         if shape.bits is None:
-            cache = KVCache()
             if dtype is not None:
                 keys, values = keys.astype(dtype), values.astype(dtype)
+            if start:
+                # Its ring full, in order: the next token goes in its first slot.
+                cache = RotatingKVCache(shape.window)
+                cache.state = (keys, values, self.offset, 0, shape.window, shape.window)
+                return cache
+            cache = KVCache()
             cache.state = (keys, values, self.offset)
             return cache
         cache = QuantizedKVCache(group_size=shape.group_size, bits=shape.bits)
@@ -454,6 +543,14 @@ class PagedPrefix:
         )
         cache.offset = self.offset
         return cache
+
+
+def trim_floor(cache: Sequence) -> int:
+    """The fewest tokens a per-layer cache may be trimmed to: its paged sliding
+    windows' ``floor`` (0 for any other)."""
+    return max(
+        (layer.floor for layer in cache if isinstance(layer, PagedPrefix)), default=0
+    )
 
 
 def pages_for(tokens: int) -> int:

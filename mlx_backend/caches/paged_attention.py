@@ -15,7 +15,13 @@ directly; elsewhere each sequence's pages are gathered and the inner
 
 import mlx.core as mx
 
-from mlx_backend.caches.paged import PagedKeys, PagedKV, PagedWindow, TokenPositions
+from mlx_backend.caches.paged import (
+    PAGE_TOKENS,
+    PagedKeys,
+    PagedKV,
+    PagedWindow,
+    TokenPositions,
+)
 from mlx_backend.cpu.kernels import fast_ops
 
 _inner: dict = {}
@@ -124,11 +130,15 @@ def gathered_attention(
     inner = _inner["scaled_dot_product_attention"]
     outputs = []
     for s in k.layout.segments:
-        keys, values = k.kv.read_float(k.layer, s.pages, s.context)
+        # From the page its first token's window starts in: those before may be
+        # holes (``caches/page_tables.py``).
+        first = max(s.context - s.tokens - window + 1, 0) if window else 0
+        first -= first % PAGE_TOKENS
+        keys, values = k.kv.read_float(k.layer, s.pages, s.context, first)
         mask = "causal" if s.tokens > 1 else None
         if window and s.context > window:
             at = mx.arange(s.context - s.tokens, s.context)[:, None]
-            seen = mx.arange(s.context)[None]
+            seen = mx.arange(first, s.context)[None]
             mask = (seen <= at) & (seen > at - window)
         outputs.append(
             inner(

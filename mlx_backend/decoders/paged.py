@@ -33,13 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, TokenBuffer
 
 from mlx_backend.caches.mla import install_mla_ops, is_mla
-from mlx_backend.caches.paged import (
-    LayerShape,
-    PagedKV,
-    PagedLayer,
-    Segment,
-    pages_for,
-)
+from mlx_backend.caches.page_tables import PagedStore
+from mlx_backend.caches.paged import LayerShape, MissingKeys, Segment, Table
 from mlx_backend.caches.paged_attention import install_paged_ops
 from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.caches.recurrent import (
@@ -88,10 +83,10 @@ class _Row:
     logprobs: int | None
     max_tokens: int
     cancelled: Callable[[], bool]
-    # Prompt tokens not yet in a pass; the KV pages and the tokens they hold
-    # (or a queued pass writes), prompt first.
+    # Prompt tokens not yet in a pass; the KV pages (a table per group of
+    # layers) and the tokens they hold (or a queued pass writes), prompt first.
     prompt: list[int]
-    pages: list[int] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     # Tokens sampled for it, those returned, and the processors' view of its
     # tokens.
@@ -186,7 +181,7 @@ class PagedDecoder(Decoder):
         # Each model layer's place among the paged ones, or among the recurrent.
         self._places = places(shapes)
         self._recurrent = [s for s in shapes if isinstance(s, RecurrentShape)]
-        self._kv = PagedKV(paged_shapes(shapes))
+        self._kv = PagedStore(paged_shapes(shapes))
         self._rows: dict[int, _Row] = {}
         self._next_key = 0
         self._queued: _Queued | None = None
@@ -219,11 +214,20 @@ class PagedDecoder(Decoder):
         self._next_key += 1
         reused = len(sequence.prompt) - len(sequence.rest)
         rest = sequence.rest
-        if reused and went_round(sequence.kv_cache):
-            # A window's state past its window (a file the batch decoder wrote)
-            # holds its last tokens out of order: the prompt is prefilled whole.
-            logger.info("a sliding window's cached state went round: prefilled")
-            reused, rest = 0, sequence.prompt
+        tables = self._kv.tables()
+        if reused:
+            paged = [
+                c
+                for c, s in zip(sequence.kv_cache, self._shapes)
+                if isinstance(s, LayerShape)
+            ]
+            try:
+                # On the steps' stream: the writes and copies keep the steps' order.
+                with mx.stream(thread_stream()):
+                    tables = self._kv.take(paged, reused)
+            except MissingKeys as e:
+                logger.info("a cached state can't be loaded (%s): prefilled", e)
+                reused, rest = 0, sequence.prompt
         row = _Row(
             key,
             sequence.sampler,
@@ -232,6 +236,7 @@ class PagedDecoder(Decoder):
             sequence.max_tokens,
             sequence.cancelled,
             prompt=list(rest),
+            tables=tables,
             snapshots=sorted(n for n in set(sequence.snapshots) if n > reused),
             states=[fresh_state(s.size) for s in self._recurrent],
         )
@@ -242,14 +247,6 @@ class PagedDecoder(Decoder):
             row.draft = DraftRow(self._make_proposer())
             row.draft_tokens, row.history = sequence.draft_tokens, sequence.history
         if reused:
-            paged = [
-                c
-                for c, s in zip(sequence.kv_cache, self._shapes)
-                if isinstance(s, LayerShape)
-            ]
-            # On the steps' stream: the writes and copies keep the steps' order.
-            with mx.stream(thread_stream()):
-                row.pages = self._kv.take(paged, reused)
             # A recurrent layer's state is its whole (the prompt cache reuses
             # such a state only where it ends).
             row.states = [
@@ -298,7 +295,7 @@ class PagedDecoder(Decoder):
             held, states = row.before, row.states_before
         if keep_state and held:
             state = self._kept(row, held, states)
-        self._kv.release(row.pages)
+        self._kv.release(row.tables)
         return state
 
     def _kept(
@@ -307,7 +304,7 @@ class PagedDecoder(Decoder):
         """``row``'s first ``length`` tokens as a KV state: its pages held, its
         recurrent layers' ``states`` (by default its own, which are at its last
         token) as mlx-lm's, copied out of the step's batch."""
-        pages = self._kv.prefix(row.pages, length)
+        pages = self._kv.prefix(row.tables, length)
         layers = []
         for paged, place in self._places:
             if paged:
@@ -325,9 +322,9 @@ class PagedDecoder(Decoder):
     def kv_nbytes(self) -> int:
         # The sequences' own pages: those only kept states hold are the prompt
         # cache's bytes.
-        pages = {page for row in self._rows.values() for page in row.pages}
+        pages = self._kv.held_nbytes([row.tables for row in self._rows.values()])
         states = sum(s.nbytes for s in self._recurrent) * len(self._rows)
-        return len(pages) * self._kv.page_nbytes + states
+        return pages + states
 
     def pages_nbytes(self) -> int:
         """Bytes of every page held: its sequences' and their kept states'."""
@@ -335,7 +332,7 @@ class PagedDecoder(Decoder):
 
     def free_pool_nbytes(self) -> int:
         # The arenas' pages nothing holds: a new arena is about ARENA_BYTES.
-        return (self._kv.pages - self._kv.pages_held) * self._kv.page_nbytes
+        return self._kv.free_nbytes()
 
     @property
     def step_token_budget(self) -> int:
@@ -348,7 +345,7 @@ class PagedDecoder(Decoder):
         self._last_read = None
         # A failed step's writes may be in its arenas: its kept states go unused.
         self._kv.closed = True
-        self._kv = PagedKV(paged_shapes(self._shapes))
+        self._kv = PagedStore(paged_shapes(self._shapes))
 
     # -- a step ----------------------------------------------------------------
 
@@ -581,10 +578,8 @@ class PagedDecoder(Decoder):
     def _extend(self, row: _Row, start: int, count: int, context: int) -> Segment:
         """Pages for ``row``'s KV to hold ``context`` tokens; its segment of
         ``count`` tokens from ``start`` on the step's axis."""
-        more = pages_for(context) - len(row.pages)
-        if more > 0:
-            row.pages += self._kv.allocate(more)
-        return Segment(start, count, context, tuple(row.pages))
+        pages = self._kv.extend(row.tables, context, first=context - count)
+        return Segment(start, count, context, pages)
 
     def _forward(self, tokens: mx.array, views: list, ends: mx.array) -> mx.array:
         """The logits at ``ends`` on the step's token axis: through the output
@@ -758,15 +753,6 @@ class PagedDecoder(Decoder):
             row.draft.back_off(row.sampled)
 
 
-def went_round(cache: list) -> bool:
-    """Whether a rotating layer of an mlx-lm ``cache`` lacks its first tokens in
-    order: its ring wrapped, or it dropped the oldest (a prefill that fits in
-    one pass keeps them all)."""
-    return any(
-        isinstance(c, RotatingKVCache) and c.offset > c.keys.shape[2] for c in cache
-    )
-
-
 # A probe's prompt: a chunk that splits, then a decode token.
 PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 7)
 
@@ -802,6 +788,7 @@ def layer_shape(
         cache.values.shape[3],
         cache.keys.dtype,
         page_dtype,
+        window=cache.max_size if isinstance(cache, RotatingKVCache) else 0,
     )
 
 
@@ -816,12 +803,13 @@ def places(shapes) -> list[tuple[bool, int]]:
     return out
 
 
-def layer_views(kv: PagedKV, shapes, layout, runs: RecurrentLayout, states) -> list:
-    """Each layer's cache for a pass: its pages, or, a recurrent layer, its run
-    of ``runs`` from ``states`` (per recurrent layer, each segment's)."""
+def layer_views(kv: PagedStore, shapes, layouts, runs: RecurrentLayout, states) -> list:
+    """Each layer's cache for a pass: its pages (``layouts``: the pass's, per
+    group), or, a recurrent layer, its run of ``runs`` from ``states`` (per
+    recurrent layer, each segment's)."""
     return [
         (
-            PagedLayer(kv, place, layout)
+            kv.layer(place, layouts)
             if paged
             else RecurrentLayer(runs, states[place], shape.size)
         )
@@ -888,8 +876,8 @@ def paged_layers(
         {type(m) for i, m in modules.items() if isinstance(cache[i], ArraysCache)}
     )
     install_mla_ops({type(m) for m in modules.values() if is_mla(m)})
-    kv = PagedKV(paged_shapes(shapes), arena_pages=1)
-    pages = tuple(kv.allocate(1))
+    kv = PagedStore(paged_shapes(shapes), arena_pages=1)
+    pages = kv.extend(kv.tables(), n, 0)
     states = [fresh_state(s.size) for s in shapes if isinstance(s, RecurrentShape)]
     try:
         got = []

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache
 
+from mlx_backend.caches.page_tables import WINDOW_SLACK
 from mlx_backend.caches.paged import PAGE_TOKENS, LayerShape, layer_page_nbytes
 from mlx_backend.caches.recurrent import RecurrentShape
 from mlx_backend.cpu.blas import physical_memory
@@ -93,17 +94,26 @@ def measure_kv_sizer(model: nn.Module, options: LoadOptions) -> KVSizer:
     return KVSizer(tuple(layers))
 
 
-def paged_kv_sizer(shapes: Sequence[LayerShape | RecurrentShape]) -> KVSizer:
+def paged_kv_sizer(
+    shapes: Sequence[LayerShape | RecurrentShape], chunk: int
+) -> KVSizer:
     """A sequence's bytes on pages: whole pages of every layer, in the pages'
-    types (float16, quantized), a window layer's as many as a full one's (pages
-    behind a window are kept); a recurrent layer's state, whatever the length."""
+    types (float16, quantized); a sliding window's at most its window, the
+    slack its table keeps and a prefill ``chunk``, with a page at either end
+    (``caches/page_tables.py``); a recurrent layer's state, whatever the length."""
     return KVSizer(
         tuple(
             (
                 LayerBytes(fixed=s.nbytes)
                 if isinstance(s, RecurrentShape)
                 else LayerBytes(
-                    per_token=layer_page_nbytes(s) // PAGE_TOKENS, step=PAGE_TOKENS
+                    per_token=layer_page_nbytes(s) // PAGE_TOKENS,
+                    window=(
+                        s.window + WINDOW_SLACK + chunk + 2 * PAGE_TOKENS
+                        if s.window
+                        else None
+                    ),
+                    step=PAGE_TOKENS,
                 )
             )
             for s in shapes
@@ -207,7 +217,8 @@ def make_memory_budget(
     ``pages`` size a sequence (no rows padded to the longest)."""
     weights = weights_bytes(model)
     if pages:
-        sizer, rectangular = paged_kv_sizer(pages), False
+        chunk = options.prefill_step_size or 1
+        sizer, rectangular = paged_kv_sizer(pages, chunk), False
     else:
         sizer = measure_kv_sizer(model, options)
     if options.memory_budget is not None:

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_backend.caches.kinds import NO_REUSE, CacheKinds, copy_prefix
-from mlx_backend.caches.paged import PagedPrefix
+from mlx_backend.caches.paged import PagedPrefix, trim_floor
 from mlx_backend.caches.prompt_files import PromptFiles, make_fingerprint
 from mlx_backend.caches.quantized_kv import adopt
 from mlx_backend.cpu.blas import physical_memory
@@ -237,6 +237,7 @@ def make_prompt_cache(
         max_size=options.max_cache_entries,
         trim_fn=trim_prompt_cache,
         copy_prefix_fn=copy_prefix,
+        floor_fn=trim_floor,
         max_bytes=max_bytes,
         **kwargs,
     )

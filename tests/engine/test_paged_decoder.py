@@ -20,7 +20,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import load as load_mlx_lm
 
-from mlx_backend.caches.paged import PAGE_TOKENS, PagedPrefix
+from mlx_backend.caches.page_tables import WINDOW_SLACK
+from mlx_backend.caches.paged import (
+    HOLE,
+    PAGE_TOKENS,
+    PagedPrefix,
+    pages_for,
+    trim_floor,
+)
 from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops, route_fast_ops
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
@@ -42,7 +49,7 @@ from mlx_backend.errors import InvalidArgument
 from mlx_backend.models.mlx_lm_fixes import apply_fixes
 from mlx_utils import check_kv_cache, make_kv_cache
 from python_utils import apply_cache_types, parse_options
-from tests.family_models import FAMILIES
+from tests.family_models import FAMILIES, WINDOW
 from tests.support import EagerLookup, device_tolerance, near_tie
 from tests.tiny_models import FLAT
 
@@ -191,7 +198,10 @@ def test_families_on_pages_as_mlx_lm(family, kernels):
         rest = second[len(state.tokens) :]
         key = decoder.add(sequence(model, second, 8, cache=state.cache, rest=rest))
         paged = paged_layer(state.cache)
-        assert paged is None or decoder._kv.refs(paged.lease.pages[0]) == 2
+        # A layer that sees every key holds its first page (a window's: a hole).
+        full = [c for c in state.cache if isinstance(c, PagedPrefix)]
+        full = [c for c in full if not c.lease.start]
+        assert paged is None or full[0].lease.kv.refs(full[0].lease.pages[0]) == 2
         tokens, scores, _ = run_until_done(decoder, {key: "second"})["second"]
         assert_as_reference(tokens, scores, reference(model, second, 8))
         dense = as_mlx_lm(state.cache)
@@ -201,7 +211,7 @@ def test_families_on_pages_as_mlx_lm(family, kernels):
         # The kept states alone held pages (Mamba 2 has none).
         assert decoder.kv_nbytes() == 0
         assert (decoder.pages_nbytes() > 0) == bool(paged_shapes(shapes))
-        del out, rest, state, paged, dense, _
+        del out, rest, state, paged, full, dense, _
         gc.collect()
         assert decoder.pages_nbytes() == 0
 
@@ -599,12 +609,13 @@ def test_cache_type_f16_stores_float16_pages_and_nothing_else_refuses(llama):
     batch.close()
 
 
-def test_a_window_state_that_went_round_is_prefilled_again(family_folder):
+def test_a_window_state_that_went_round_loads_its_last_tokens(family_folder):
     """A sliding-window layer's state past its window (a file the batch decoder
-    wrote) keeps its last tokens out of order: the paged decoder prefills the
-    prompt whole rather than load it, and decodes as mlx-lm alone."""
+    wrote) keeps its last tokens, in a ring: they go into pages at their places
+    (the pages before them holes), and the prompt's last token decodes as
+    mlx-lm alone."""
     model, _ = load_mlx_lm(str(family_folder("gemma3_text")))
-    prompt = prompt_of(40, 30)
+    prompt = prompt_of(80, 30)
     cache = make_kv_cache(model, OPTIONS)
     # One token at a time past the window: the ring's writes wrap around.
     mx.eval(model(mx.array(prompt[:8])[None], cache=cache))
@@ -612,5 +623,76 @@ def test_a_window_state_that_went_round_is_prefilled_again(family_folder):
         mx.eval(model(mx.array([[token]]), cache=cache))
     decoder = PagedDecoder(model, OPTIONS, paged_layers(model, OPTIONS))
     key = decoder.add(sequence(model, prompt, 8, cache=cache, rest=prompt[-1:]))
+    window = decoder._rows[key].tables[decoder._kv.windows.index(WINDOW)]
+    assert window.start == len(prompt) - 1 - WINDOW and window.pages[0] == HOLE
     tokens, scores, _ = run_until_done(decoder, {key: "again"})["again"]
     assert_as_reference(tokens, scores, reference(model, prompt, 8))
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "gemma4_text"])
+def test_a_window_frees_its_pages_behind_it_and_decodes_as_mlx_lm(family_folder, name):
+    """A 230-token prompt in chunks of 32 and a repeating one whose rows verify
+    proposals: a window layer's table holds at most its window, its slack, a
+    chunk and a page at either end, the full layers' every page, and the tokens
+    are mlx-lm's alone. Their kept states serve a second turn and the prompt
+    sent again (a trim of one token), not a prompt that parts from them before
+    their floor."""
+    apply_fixes()
+    model, _ = load_mlx_lm(str(family_folder(name)))
+    options = parse_options(["prefill_step_size:32"])
+    shapes = paged_layers(model, options)
+    assert {s.window for s in shapes} == {0, WINDOW}
+    prompts = {"long": prompt_of(230, 40), "loop": prompt_of(12, 41) * 10}
+    known = [
+        [*p, *(t for t, _, _ in reference(model, p, 24))] for p in prompts.values()
+    ]
+    decoder = PagedDecoder(model, options, shapes, SMALL_STEPS)
+    decoder.speculate(lambda: Known(known), FLAT)
+    keys = {
+        decoder.add(sequence(model, p, 24, draft_tokens=4)): n
+        for n, p in prompts.items()
+    }
+    full, window = (decoder._kv.windows.index(w) for w in (0, WINDOW))
+    most = pages_for(WINDOW + WINDOW_SLACK + 32) + 2
+    out = {n: ([], [], None) for n in prompts}
+    freed = 0
+    while keys:
+        for result in decoder.step():
+            name_ = keys[result.key]
+            out[name_][0].extend(result.tokens)
+            out[name_][1].extend(s[0] for s in result.logprobs)
+            if result.done:
+                del keys[result.key]
+                out[name_] = (*out[name_][:2], decoder.remove(result.key))
+        for row in decoder._rows.values():
+            held = [p for p in row.tables[window].pages if p != HOLE]
+            assert len(held) <= most
+            assert HOLE not in row.tables[full].pages
+            freed = max(freed, len(row.tables[window].pages) - len(held))
+    assert freed >= 3 and decoder.draft_accepted > 0
+    store = PromptStore(
+        make_prompt_cache(options, 1 << 30),
+        1,
+        lambda: make_kv_cache(model, options),
+        PromptCounts(),
+    )
+    for n, prompt in prompts.items():
+        tokens, scores, state = out[n]
+        assert_as_reference(tokens, scores, reference(model, prompt, 24))
+        store.keep(state.cache, state.tokens, later=True)
+    fed = out["long"][2].tokens
+    floor = trim_floor(out["long"][2].cache)
+    assert 0 < floor < len(fed) - 1
+    del out, state
+    # The prompt sent again, one that parts before the floor, a second turn
+    # (from the first's state, trimmed by the tokens it made).
+    again = fed
+    parted = (*fed[: floor - 5], *prompt_of(10, 43))
+    second = (*fed, *prompt_of(10, 42))
+    for prompt, reused in ((again, len(fed) - 1), (parted, 0), (second, len(fed))):
+        cache, rest = store.fetch(prompt, pages=True)
+        assert len(prompt) - len(rest) == reused
+        key = decoder.add(sequence(model, prompt, 6, cache=cache, rest=rest))
+        mine, scores, state = run_until_done(decoder, {key: "next"})["next"]
+        assert_as_reference(mine, scores, reference(model, prompt, 6))
+        store.keep(state.cache, state.tokens, later=True)

@@ -11,7 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 
-from mlx_backend.caches.paged import LayerShape, PagedKV, pages_for
+from mlx_backend.caches.page_tables import PagedStore
+from mlx_backend.caches.paged import LayerShape
 from mlx_backend.decoders.base import NewSequence
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.proposers import NgramProposer
@@ -95,20 +96,32 @@ FLOAT32_PAGES = LayerShape(2, 64, 64, mx.float32)
         FLOAT32_PAGES,
         LayerShape(2, 64, 64, mx.float32, mx.float16),
         LayerShape(2, 64, 64, mx.float32, bits=8, group_size=32),
+        LayerShape(2, 64, 64, mx.float32, window=40),
     ],
-    ids=["float32", "float16", "q8"],
+    ids=["float32", "float16", "q8", "window"],
 )
 @pytest.mark.parametrize("tokens", [1, 32, 33, 600])
 def test_the_paged_sizer_counts_the_pages_a_sequence_holds(shape, tokens):
     """On pages a sequence holds whole pages in the pages' own type (float16,
-    quantized codes with their scales), not mlx-lm's 256-token rooms."""
-    shapes = [shape, FLOAT32_PAGES]
-    kv = PagedKV(shapes)
-    kv.allocate(pages_for(tokens))
-    sizer = paged_kv_sizer(shapes)
-    assert sizer.bytes_for(tokens) == kv.nbytes()
+    quantized codes with their scales), not mlx-lm's 256-token rooms; a sliding
+    window's, those its window, slack and a prefill chunk span."""
+    shapes, chunk = [shape, FLOAT32_PAGES], 50
+    store = PagedStore(shapes)
+    tables = store.tables()
+    sizer = paged_kv_sizer(shapes, chunk)
+    for first in range(0, tokens, chunk):
+        context = min(first + chunk, tokens)
+        store.extend(tables, context, first)
+        assert store.nbytes() <= sizer.bytes_for(context)
+    if not shape.window:
+        assert sizer.bytes_for(tokens) == store.nbytes()
+    elif tokens > 200:
+        # Its bytes stop growing past its window; the pages behind it are freed.
+        window = sizer.layers[0]
+        assert window.bytes_for(tokens) == window.bytes_for(10 * tokens)
+        assert store.groups[1].nbytes() < store.groups[0].nbytes()
     if shape is not FLOAT32_PAGES:
-        assert sizer.layers[0].per_token < sizer.layers[1].per_token
+        assert sizer.layers[0].per_token <= sizer.layers[1].per_token
 
 
 def test_layer_bytes_round_up_to_the_room_a_layer_allocates():

@@ -15,11 +15,13 @@ import pytest
 from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from mlx_backend.caches.paged import (
+    HOLE,
     PAGE_TOKENS,
     LayerShape,
     PagedKeys,
     PagedKV,
     Segment,
+    Table,
     make_layout,
     pages_for,
     route_calls,
@@ -118,7 +120,7 @@ def test_a_cache_goes_into_pages_and_comes_back_the_same():
     # them out.
     pages.reverse()
     kv.load(pages, caches, 40)
-    back = [layer.to_kv_cache() for layer in kv.prefix(pages, 40)]
+    back = [layer.to_kv_cache() for layer in kv.prefix(Table(pages), 40)]
     for mine, theirs in zip(back, caches):
         assert mine.offset == 40
         assert mx.array_equal(mine.keys[..., :40, :], theirs.keys[..., :40, :])
@@ -128,7 +130,7 @@ def test_a_cache_goes_into_pages_and_comes_back_the_same():
 def test_a_kept_state_holds_its_pages_until_the_last_copy_goes():
     kv = PagedKV([SHAPE, SHAPE], arena_pages=2)
     pages = kv.allocate(pages_for(70))
-    kept = kv.prefix(pages, 70)
+    kept = kv.prefix(Table(pages), 70)
     # The sequence leaves: the kept state alone holds its three pages.
     kv.release(pages)
     assert kv.pages_held == 3
@@ -153,12 +155,12 @@ def test_a_sequence_shares_a_kept_states_full_pages_and_copies_the_page_it_write
     kv = PagedKV([SHAPE], arena_pages=2)
     random_pools(kv, 3)
     pages = kv.allocate(pages_for(70))
-    kept = kv.prefix(pages, 70)
+    kept = kv.prefix(Table(pages), 70)
     kv.release(pages)
     before = [layer.to_kv_cache() for layer in kept]
     mx.eval([(c.keys, c.values) for c in before])
     # 45 tokens: the first page is shared, the second (rows 32-44) copied.
-    taken = kv.take(kept, 45)
+    taken = kv.take(kept, 45).pages
     assert taken[0] == pages[0] and taken[1] not in pages
     assert kv.refs(pages[0]) == 2 and kv.refs(pages[1]) == 1
     mine = kv.read(0, taken, 45)
@@ -172,9 +174,9 @@ def test_a_sequence_shares_a_kept_states_full_pages_and_copies_the_page_it_write
     assert mx.array_equal(after.keys, before[0].keys)
     assert mx.array_equal(kv.read(0, taken, 64)[0][..., 45:, :], ones)
     # A page-aligned length copies nothing; another store's state is loaded.
-    assert kv.take(kept, 64) == list(pages[:2])
+    assert kv.take(kept, 64) == Table(list(pages[:2]))
     other = PagedKV([SHAPE], arena_pages=2)
-    loaded = other.take(kept, 45)
+    loaded = other.take(kept, 45).pages
     assert mx.array_equal(other.read(0, loaded, 45)[0], before[0].keys[..., :45, :])
 
 
@@ -333,7 +335,7 @@ def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quant
     for got, x in ((got_keys, keys), (got_values, values)):
         for mine, theirs in zip(got, mx.quantize(x, group_size=32, bits=8)):
             assert mx.array_equal(mine, theirs)
-    (prefix,) = kv.prefix(pages, 45)
+    (prefix,) = kv.prefix(Table(pages), 45)
     cache = prefix.to_kv_cache()
     assert (cache.bits, cache.group_size, cache.offset) == (8, 32, 45)
     assert mx.array_equal(cache.keys[0], got_keys[0])
@@ -341,7 +343,7 @@ def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quant
     expected = kv.read_float(0, pages, 45)
     other = PagedKV([shape], arena_pages=2)
     for source in ([prefix], [cache]):
-        loaded = other.take(source, 45)
+        loaded = other.take(source, 45).pages
         exact = source[0] is prefix or dtype == mx.float32
         for a, b in zip(other.read_float(0, loaded, 45), expected):
             assert mx.array_equal(a, b) or not exact
@@ -349,11 +351,41 @@ def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quant
     # A state quantized in groups of 64 goes in dequantized, then in groups of 32.
     coarse = QuantizedKVCache(group_size=64, bits=8)
     coarse.update_and_fetch(keys, values)
-    loaded = other.take([coarse], 45)
+    loaded = other.take([coarse], 45).pages
     for a, x in zip(other.read_float(0, loaded, 45), (keys, values)):
         assert mx.allclose(a, x, atol=0.05).item()
     # 64 one-byte codes, and two groups' float32 scale and bias, per token and head.
     assert kv.page_nbytes == PAGE_TOKENS * 2 * 2 * (64 + 2 * 2 * 4)
+
+
+def test_a_table_with_holes_attends_as_the_whole_table(qmm, isa):
+    """Keys before every query's window are never read: a table whose pages
+    there are holes (freed behind a sliding window) attends as the whole table
+    does, on the kernel and over gathered pages."""
+    install_paged_ops()
+    shape = LayerShape(2, 16, 16, mx.float32, window=40)
+    kv = PagedKV([shape], arena_pages=4)
+    # Page 0, where a hole points, is NaN: a read of it would show.
+    hole, *pages = kv.allocate(7)
+    assert hole == 0
+    rng = np.random.default_rng(3)
+    for arenas in kv.planes[0]:
+        for i, a in enumerate(arenas):
+            x = rng.normal(size=a.shape).astype(np.float32)
+            if i == 0:
+                x[:PAGE_TOKENS] = np.nan
+            arenas[i] = mx.array(x)
+    # Queries 150-169 see keys from 111: pages 0-2 are never read.
+    q = mx.array(rng.normal(size=(1, 4, 20, 16)), mx.float32)
+    whole, holed = (
+        kv.layout([Segment(0, 20, 170, table)])
+        for table in (tuple(pages), (HOLE, HOLE, HOLE, *pages[3:]))
+    )
+    expected = gathered_attention(q, PagedKeys(kv, 0, whole), 0.25, window=40)
+    got = gathered_attention(q, PagedKeys(kv, 0, holed), 0.25, window=40)
+    assert not mx.isnan(expected).any().item()
+    assert mx.array_equal(got, expected)
+    assert kernel_error(qmm, q, kv, holed, None, window=40) < 1e-5
 
 
 def test_the_kernel_refuses_a_segment_beyond_its_table(qmm):
