@@ -6,9 +6,10 @@ Each group is a ``PagedKV`` of its own (its pages hold only its layers' rows),
 so a window's pages go back to its pool while the full layers' stay. A window
 layer of 1,024 keys in an 8,000-token sequence then holds about 1,100 tokens'
 pages instead of 8,000 (Gemma 3: five layers of six; gpt-oss: half, with
-windows of 128). A table keeps ``WINDOW_SLACK`` tokens more than its window, so
-that the prompt cache may trim a kept state by as many (a prompt sent again
-runs its last token anew); a state trimmed deeper is not served (its ``floor``).
+windows of 128). A table keeps ``WINDOW_SLACK`` tokens more than the window of
+its last pass's first token, so that the prompt cache may trim a kept state by
+about as many (a prompt sent again runs its last token anew); a state is not
+trimmed deeper than its ``floor``.
 """
 
 from collections.abc import Sequence

@@ -293,6 +293,8 @@ class PagedKV:
         returns."""
         first = start // PAGE_TOKENS
         pages = np.asarray(pages[first : pages_for(length)], dtype=np.int32)
+        # A hole would read another sequence's page without a word.
+        assert (pages >= 0).all(), "reading a page freed behind a window"
         skip = start - first * PAGE_TOKENS
         parts = [
             _rows(arenas, pages, self.arena_pages, length - first * PAGE_TOKENS)[
@@ -455,8 +457,9 @@ def _quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, ...]:
 @dataclass
 class Table:
     """A sequence's pages in a store: page ``i`` holds its tokens from
-    ``i * PAGE_TOKENS`` on. ``start``: the first token it holds; the pages
-    before it are holes (behind a sliding window, or never loaded)."""
+    ``i * PAGE_TOKENS`` on. ``start``: the first token it holds (mid-page where
+    a ring that went round was loaded); the pages before it are holes (behind a
+    sliding window, or never loaded)."""
 
     pages: list[int] = field(default_factory=list)
     start: int = 0

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_backend.caches.kinds import cache_length
-from mlx_backend.caches.paged import PagedPrefix
+from mlx_backend.caches.paged import PagedPrefix, trim_floor
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.refusals import describe_path
 from mlx_cache import common_length
@@ -364,7 +364,8 @@ def _fit(cache: list, tokens: Sequence[int]) -> tuple[list, list[int]] | None:
         return None
     layers = [copy.copy(layer) for layer in cache]
     if offset > n:
-        if not can_trim_prompt_cache(layers):
+        # A paged window's kept state trims no deeper than its floor.
+        if not can_trim_prompt_cache(layers) or trim_floor(layers) > n:
             return None
         trim_prompt_cache(layers, offset - n)
     return layers, [int(t) for t in tokens[:n]]

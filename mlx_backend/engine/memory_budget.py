@@ -217,7 +217,8 @@ def make_memory_budget(
     ``pages`` size a sequence (no rows padded to the longest)."""
     weights = weights_bytes(model)
     if pages:
-        chunk = options.prefill_step_size or 1
+        # A chunk's most tokens: a step's size, or the step token budget's.
+        chunk = max(options.prefill_step_size or 1, options.step_token_budget or 0)
         sizer, rectangular = paged_kv_sizer(pages, chunk), False
     else:
         sizer = measure_kv_sizer(model, options)

@@ -23,6 +23,7 @@ from mlx_backend.caches.paged import (
     pages_for,
     trim_floor,
 )
+from mlx_backend.caches.prompt_files import _fit
 from mlx_cache import ThreadSafeLRUPromptCache
 
 WINDOW = 40
@@ -103,6 +104,11 @@ def test_a_kept_window_state_trims_no_deeper_than_its_floor():
         other.take([ring, full.to_kv_cache()], 150)
     other.release(taken)
     assert other.pages_held == 0
+    # A prompt file at fewer tokens than the floor is not written.
+    assert _fit(kept, range(sliding.floor - 1)) is None
+    layers, _ = _fit(kept, range(sliding.floor))
+    assert [layer.offset for layer in layers] == [sliding.floor] * 2
+    del layers
     # A trim stops at the floor.
     trimmed = copy.deepcopy(kept)
     assert trimmed[0].trim(1000) == 200 - sliding.floor
