@@ -18,6 +18,8 @@ FLOAT32_EPS = 2.0**-24
 
 
 def isas(qmm) -> list[str]:
+    """The best instruction set and the portable kernels (the float kernels are
+    AVX2's on every x86 set past it)."""
     best = qmm.settings()["isa"]
     return [best] if best.startswith("portable") else [best, "portable"]
 
@@ -56,6 +58,28 @@ def rounding_bound(x, wq, scales, group_size, bits, top):
     return (step / 2) @ per_group.T
 
 
+def int8_bound(x, wq, scales, biases, group_size, bits):
+    """The most that rounding x to int8 can move each output: each 4 values in
+    the kernels' order (a 4-bit block's even values, then its odd ones) share a
+    step of their largest / 127, and the biases meet the rounded sums, so an
+    output moves by at most half a step times each |dequantized weight|."""
+    rows, k = x.shape
+    blocks = mx.abs(x.astype(mx.float32)).reshape(rows, k // 32, 32)
+    if bits == 4:
+        blocks = mx.concatenate([blocks[..., ::2], blocks[..., 1::2]], axis=-1)
+    step = mx.repeat(blocks.reshape(rows, k // 32, 8, 4).max(axis=-1) / 127, 4, -1)
+    if bits == 4:
+        step = mx.stack([step[..., :16], step[..., 16:]], axis=-1)
+    w = mx.dequantize(
+        wq,
+        scales.astype(mx.float32),
+        biases.astype(mx.float32),
+        group_size=group_size,
+        bits=bits,
+    )
+    return (step.reshape(rows, k) / 2) @ mx.abs(w).T
+
+
 def assert_within(y, expected, bound):
     excess = mx.abs(y - expected) - bound
     assert mx.max(excess).item() <= 0, f"exceeds its bound by {mx.max(excess).item()}"
@@ -66,10 +90,10 @@ def assert_within(y, expected, bound):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
     """Random shapes (odd output counts, several groups) at 1, 2, 7, 32 and 300
-    rows, on each instruction set, with float32, int16 and int8 activations.
-    Float32 accumulation of K products stays within K * eps of the sum of their
-    magnitudes (x2: the dequantized reference rounds too); rounded activations add
-    at most rounding_bound."""
+    rows, on each instruction set, with float32, int16 and int8 activations (the
+    int8 kernels on each set's dot product). Float32 accumulation of K products
+    stays within K * eps of the sum of their magnitudes (x2: the dequantized
+    reference rounds too); int16 adds at most rounding_bound, int8 int8_bound."""
     seed = bits * 1000 + group_size + {mx.float16: 1, mx.bfloat16: 2}.get(dtype, 3)
     n, k = 37 + seed % 50, group_size * (2 + seed % 5)
     wq, scales, biases = quantized(n, k, bits, group_size, dtype, seed)
@@ -80,17 +104,23 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
         # The row kernels run up to the row limit; more rows go to sgemm tiles,
         # or without a fast BLAS to the row kernels in blocks of the limit.
         many = rows > qmm.settings()["rows_limit"]
-        for isa, sgemm in product(isas(qmm), (True, False) if many else (True,)):
+        for isa, sgemm in product(qmm.isas(), (True, False) if many else (True,)):
             qmm.set_isa(isa)
             qmm.use_sgemm(sgemm)
-            for activations, top in (("float32", 0), ("int16", 32767), ("int8", 127)):
+            for activations in ("float32", "int16", "int8"):
+                if activations != "int8" and isa not in isas(qmm):
+                    continue
                 qmm.set_activations(activations)
                 y = qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
                 assert y.shape == (rows, n) and y.dtype == mx.float32
                 bound = float_bound
-                rounded = qmm.settings()["activations"] != "float32"
-                if rounded and (not many or not qmm.settings()["sgemm"]):
-                    bound = bound + rounding_bound(x, wq, scales, group_size, bits, top)
+                used = qmm.settings()["activations"]
+                if used != "float32" and (not many or not qmm.settings()["sgemm"]):
+                    if used == "int8":
+                        extra = int8_bound(x, wq, scales, biases, group_size, bits)
+                    else:
+                        extra = rounding_bound(x, wq, scales, group_size, bits, 32767)
+                    bound = bound + extra
                 assert_within(y, expected, bound)
     qmm.set_isa("auto")
     qmm.use_sgemm(True)

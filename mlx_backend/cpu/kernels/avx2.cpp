@@ -6,50 +6,12 @@
 #include <cstring>
 #include <vector>
 
+#include "avx2_common.h"
 #include "qmm.h"
 
 namespace qmm {
 
 namespace {
-
-// How far ahead of its reads a row kernel asks for weights: a decode step streams
-// them from memory, and the hardware prefetcher alone leaves the kernel waiting
-// (1.1x to 1.6x on the 2-core EPYC, single thread).
-constexpr int AHEAD_BYTES = 2048;
-
-inline void fetch_ahead(const void* at) {
-  _mm_prefetch(static_cast<const char*>(at) + AHEAD_BYTES, _MM_HINT_T0);
-}
-
-// Row n's scales (or biases) as float32, into room for its groups rounded up to 8.
-// Half floats go 8 at a time, the last 8 read on into the next row's (a few bytes
-// of a row that is read anyway); the array's last row ends through a zeroed vector.
-void load_scales(const Problem& p, const void* base, int n, float* out) {
-  int groups = p.K / p.group_size;
-  std::size_t offset = std::size_t(n) * groups;
-  if (p.scale_type == ScaleType::f32) {
-    std::memcpy(out, static_cast<const float*>(base) + offset, groups * sizeof(float));
-    return;
-  }
-  auto values = static_cast<const uint16_t*>(base) + offset;
-  auto convert = [&](__m128i h) {
-    return p.scale_type == ScaleType::f16
-        ? _mm256_cvtph_ps(h)
-        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  };
-  bool last = n == p.N - 1;
-  int g = 0;
-  for (; g + 8 <= groups || (g < groups && !last); g += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + g));
-    _mm256_storeu_ps(out + g, convert(h));
-  }
-  if (g < groups) {
-    alignas(16) uint16_t tail[8] = {};
-    std::memcpy(tail, values + g, (groups - g) * sizeof(uint16_t));
-    _mm256_storeu_ps(
-        out + g, convert(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
-  }
-}
 
 // 32 consecutive weights, from bits * 4 bytes at `packed`, as four float vectors.
 template <int BITS>
@@ -77,47 +39,6 @@ inline void unpack32(const uint32_t* packed, __m256 q[4]) {
   }
 }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// A row's scales or biases read where they are stored (ST: their type), for the
-// float kernels: no float32 copy of each row first.
-template <ScaleType ST>
-inline __m128 two_values(const void* row, int a, int b) {
-  if constexpr (ST == ScaleType::f32) {
-    auto f = static_cast<const float*>(row);
-    return _mm_unpacklo_ps(_mm_load_ss(f + a), _mm_load_ss(f + b));
-  } else {
-    auto h = static_cast<const uint16_t*>(row);
-    __m128i v = _mm_cvtsi32_si128(int(h[a] | uint32_t(h[b]) << 16));
-    if constexpr (ST == ScaleType::f16) {
-      return _mm_cvtph_ps(v);
-    } else {
-      return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(v), 16));
-    }
-  }
-}
-
-// Values [g, g + 8) of a row, when all 8 are in it.
-template <ScaleType ST>
-inline __m256 eight_values(const void* row, int g) {
-  if constexpr (ST == ScaleType::f32) {
-    return _mm256_loadu_ps(static_cast<const float*>(row) + g);
-  } else {
-    auto h = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + g);
-    __m128i v = _mm_loadu_si128(h);
-    if constexpr (ST == ScaleType::f16) {
-      return _mm256_cvtph_ps(v);
-    } else {
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-    }
-  }
-}
-
 // The scales of a block's lanes: a 4-bit block's first 4 words are one group's
 // 32 weights and its last 4 the next 32 (the same group from 64 on); an 8-bit
 // block is one group.
@@ -127,54 +48,6 @@ inline __m256 block_scales(const void* row, int k0, int shift) {
   __m128 two = two_values<ST>(row, k0 >> shift, second);
   return _mm256_permutevar8x32_ps(
       _mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
-
-// Each row's output for weight row n: its scaled group sums, plus the biases met
-// with x's exact group sums, both in the row's vector before its one reduction.
-template <int ROWS, ScaleType ST = ScaleType::f32>
-inline void store_rows(
-    const Problem& p,
-    int n,
-    int m,
-    __m256 total[ROWS],
-    const void* biases) {
-  int groups = p.K / p.group_size;
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    __m256 b = eight_values<ST>(biases, g);
-    for (int r = 0; r < ROWS; r++) {
-      const float* xsum = p.xsum + std::size_t(m + r) * groups;
-      total[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), total[r]);
-    }
-  }
-  if (g < groups && groups >= 8) {
-    // The row's last 8 values, the lanes already met masked off.
-    int from = groups - 8;
-    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 fresh = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(lanes, _mm256_set1_epi32(g - from - 1)));
-    __m256 b = _mm256_and_ps(eight_values<ST>(biases, from), fresh);
-    for (int r = 0; r < ROWS; r++) {
-      const float* xsum = p.xsum + std::size_t(m + r) * groups;
-      total[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + from), total[r]);
-    }
-  } else if (g < groups) {
-    float b[8];
-    for (int i = 0; i < groups; i++) {
-      b[i] = _mm_cvtss_f32(two_values<ST>(biases, i, i));
-    }
-    for (int r = 0; r < ROWS; r++) {
-      const float* xsum = p.xsum + std::size_t(m + r) * groups;
-      float dot = 0.0f;
-      for (int i = 0; i < groups; i++) {
-        dot += b[i] * xsum[i];
-      }
-      total[r] = _mm256_add_ps(total[r], _mm256_setr_ps(dot, 0, 0, 0, 0, 0, 0, 0));
-    }
-  }
-  for (int r = 0; r < ROWS; r++) {
-    p.y[std::size_t(m + r) * p.N + n] = horizontal_sum(total[r]);
-  }
 }
 
 // Field i of each of 8 words (a vector of 8 words holds 8 weights a word for
@@ -352,74 +225,6 @@ inline void rows_tile_wide(
   }
 }
 
-// 32 weights as bytes, in the order quantize_rows(interleaved) puts x: 4-bit
-// weights as [low nibbles | high nibbles], 8-bit ones as stored.
-template <int BITS>
-inline __m256i weight_bytes(const uint32_t* packed) {
-  if constexpr (BITS == 4) {
-    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
-  }
-}
-
-// The int8 kernel: maddubs multiplies unsigned weights by int8 x in pairs. 4-bit
-// products fit int16 for a whole group (15 * 127 * 2 * 4 < 32768); 8-bit weights
-// are recentred to [-128, 127] (the bias takes the 128) and widened each chunk.
-template <int BITS, int ROWS>
-inline void rows_tile_int8(
-    const Problem& p,
-    int n,
-    int m,
-    const float* scales,
-    const float* biases) {
-  int groups = p.K / p.group_size;
-  int chunks = p.group_size / 32;
-  const uint32_t* packed = p.w + std::size_t(n) * (p.K * BITS / 32);
-  const int8_t* xq[ROWS];
-  const float* xd[ROWS];
-  __m256 total[ROWS];
-  for (int r = 0; r < ROWS; r++) {
-    xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
-    xd[r] = p.xd + std::size_t(m + r) * groups;
-    total[r] = _mm256_setzero_ps();
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int g = 0; g < groups; g++) {
-    __m256i acc[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-      acc[r] = _mm256_setzero_si256();
-    }
-    for (int c = 0; c < chunks; c++, packed += BITS) {
-      __m256i w = weight_bytes<BITS>(packed);
-      int k = (g * chunks + c) * 32;
-      if constexpr (BITS == 4) {
-        for (int r = 0; r < ROWS; r++) {
-          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + k));
-          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, x));
-        }
-      } else {
-        __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
-        __m256i magnitude = _mm256_abs_epi8(centred);
-        for (int r = 0; r < ROWS; r++) {
-          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + k));
-          __m256i pairs =
-              _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, centred));
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
-        }
-      }
-    }
-    for (int r = 0; r < ROWS; r++) {
-      __m256i sums = BITS == 4 ? _mm256_madd_epi16(acc[r], ones) : acc[r];
-      __m256 scale = _mm256_set1_ps(scales[g] * xd[r][g]);
-      total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[r]);
-    }
-  }
-  store_rows<ROWS>(p, n, m, total, biases);
-}
-
 // The int16 kernel: weights widened to int16 meet x rounded to int16 per group in
 // vpmaddwd (16 products a step); a group's int32 sums can't overflow (at most
 // 255 * 32767 * 2 * 8 per lane for 128 8-bit weights).
@@ -475,8 +280,6 @@ inline void rows_tile_int16(
   }
   store_rows<ROWS>(p, n, m, total, biases);
 }
-
-enum class Activations { int16, int8 };
 
 // Float32 x against weight rows n0..n1, the scales and biases read as stored: in
 // tiles of WIDE_ROWS rows of x while that many are left, then of up to 4. Wide
@@ -563,10 +366,10 @@ void rows_float_bits(const Problem& p, int n0, int n1) {
   }
 }
 
-// x rounded to integers against weight rows n0..n1, in tiles of up to 4 rows of x;
+// x rounded to int16 against weight rows n0..n1, in tiles of up to 4 rows of x;
 // each row's scales and biases first as float32.
-template <int BITS, Activations X>
-void rows_integer(const Problem& p, int n0, int n1) {
+template <int BITS>
+void rows_int16(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
   thread_local std::vector<float> scale_room, bias_room;
   scale_room.resize(groups + 8);
@@ -574,34 +377,22 @@ void rows_integer(const Problem& p, int n0, int n1) {
   // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
   float* scales = scale_room.data();
   float* biases = bias_room.data();
-  auto tile = [&]<int ROWS>(int n, int m) {
-    if constexpr (X == Activations::int8) {
-      rows_tile_int8<BITS, ROWS>(p, n, m, scales, biases);
-    } else {
-      rows_tile_int16<BITS, ROWS>(p, n, m, scales, biases);
-    }
-  };
   for (int n = n0; n < n1; n++) {
     load_scales(p, p.scales, n, scales);
     load_scales(p, p.biases, n, biases);
-    if constexpr (X == Activations::int8 && BITS == 8) {
-      for (int g = 0; g < groups; g++) {
-        biases[g] += 128.0f * scales[g];
-      }
-    }
     int m = 0;
     for (; m + 4 <= p.M; m += 4) {
-      tile.template operator()<4>(n, m);
+      rows_tile_int16<BITS, 4>(p, n, m, scales, biases);
     }
     switch (p.M - m) {
       case 3:
-        tile.template operator()<3>(n, m);
+        rows_tile_int16<BITS, 3>(p, n, m, scales, biases);
         break;
       case 2:
-        tile.template operator()<2>(n, m);
+        rows_tile_int16<BITS, 2>(p, n, m, scales, biases);
         break;
       case 1:
-        tile.template operator()<1>(n, m);
+        rows_tile_int16<BITS, 1>(p, n, m, scales, biases);
         break;
     }
   }
@@ -643,19 +434,11 @@ void rows_avx2(const Problem& p, int n0, int n1) {
   }
 }
 
-void rows_avx2_int8(const Problem& p, int n0, int n1) {
-  if (p.bits == 4) {
-    rows_integer<4, Activations::int8>(p, n0, n1);
-  } else {
-    rows_integer<8, Activations::int8>(p, n0, n1);
-  }
-}
-
 void rows_avx2_int16(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    rows_integer<4, Activations::int16>(p, n0, n1);
+    rows_int16<4>(p, n0, n1);
   } else {
-    rows_integer<8, Activations::int16>(p, n0, n1);
+    rows_int16<8>(p, n0, n1);
   }
 }
 

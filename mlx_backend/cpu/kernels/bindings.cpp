@@ -67,6 +67,7 @@ NB_MODULE(_qmm, m) {
       "Runs the worker pool `runs` times: the tasks run other than once.");
   m.def("use_sgemm", &qmm::use_sgemm, "use"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
+  m.def("isas", &qmm::isas);
   m.def("set_activations", &qmm::set_activations, "activations"_a);
 
   // MLX's fast operations as single CPU primitives (mx.fast's signatures).

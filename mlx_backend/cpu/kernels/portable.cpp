@@ -47,12 +47,96 @@ void quantize_to(const Problem& p, bool interleaved, T* xq, float* xd) {
 
 } // namespace
 
-void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd) {
-  quantize_to(p, interleaved, xq, xd);
+namespace {
+
+// Block position j's value among its 32 (the order the int8 kernels meet the
+// codes: for 4 bits, the even values then the odd ones).
+inline int block_source(int j, int bits) {
+  return bits == 4 ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j;
 }
+
+// Block position j's code in a block of 32 weights.
+inline int block_code(const uint8_t* block, int j, int bits) {
+  if (bits == 8) {
+    return block[j];
+  }
+  return j < 16 ? block[j] & 0x0f : block[j - 16] >> 4;
+}
+
+} // namespace
 
 void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd) {
   quantize_to(p, interleaved, xq, xd);
+}
+
+void quantize_int8(const Problem& p, int8_t* xq, float* xs, float* xsum) {
+  int groups = p.K / p.group_size;
+  for (int m = 0; m < p.M; m++) {
+    const float* x = p.x + std::size_t(m) * p.K;
+    int8_t* q = xq + std::size_t(m) * p.K;
+    float* scales = xs + std::size_t(m) * (p.K / 4);
+    float* sums = xsum + std::size_t(m) * groups;
+    std::fill(sums, sums + groups, 0.0f);
+    for (int k0 = 0; k0 < p.K; k0 += 32) {
+      float block[32];
+      for (int j = 0; j < 32; j++) {
+        block[j] = x[k0 + block_source(j, p.bits)];
+      }
+      float total = 0.0f;
+      for (int l = 0; l < 8; l++) {
+        float amax = 0.0f;
+        for (int i = 4 * l; i < 4 * l + 4; i++) {
+          amax = std::max(amax, std::abs(block[i]));
+        }
+        float scale = amax / 127.0f;
+        float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int lane = 0;
+        for (int i = 4 * l; i < 4 * l + 4; i++) {
+          q[k0 + i] = int8_t(std::lrint(block[i] * inverse));
+          lane += q[k0 + i];
+        }
+        scales[(k0 + 4 * l) / 4] = scale;
+        total += scale * float(lane);
+      }
+      sums[k0 / p.group_size] += total;
+    }
+  }
+}
+
+void rows_portable_int8(const Problem& p, int n0, int n1) {
+  int groups = p.K / p.group_size;
+  std::vector<float> scales(groups), biases(groups);
+  for (int n = n0; n < n1; n++) {
+    scale_row(p, p.scales, n, scales.data());
+    scale_row(p, p.biases, n, biases.data());
+    auto row =
+        reinterpret_cast<const uint8_t*>(p.w + std::size_t(n) * (p.K * p.bits / 32));
+    for (int m = 0; m < p.M; m++) {
+      const int8_t* q = static_cast<const int8_t*>(p.xq) + std::size_t(m) * p.K;
+      const float* xs = p.xd + std::size_t(m) * (p.K / 4);
+      const float* xsum = p.xsum + std::size_t(m) * groups;
+      float lanes[8] = {};
+      for (int k0 = 0; k0 < p.K; k0 += 32) {
+        const uint8_t* block = row + k0 * p.bits / 8;
+        float scale = scales[k0 / p.group_size];
+        for (int l = 0; l < 8; l++) {
+          int dot = 0;
+          for (int i = 4 * l; i < 4 * l + 4; i++) {
+            dot += block_code(block, i, p.bits) * q[k0 + i];
+          }
+          lanes[l] += float(dot) * (xs[(k0 + 4 * l) / 4] * scale);
+        }
+      }
+      float y = 0.0f;
+      for (int g = 0; g < groups; g++) {
+        y += biases[g] * xsum[g];
+      }
+      for (float lane : lanes) {
+        y += lane;
+      }
+      p.y[std::size_t(m) * p.N + n] = y;
+    }
+  }
 }
 
 void lane_order(const Problem& p, float* xl) {

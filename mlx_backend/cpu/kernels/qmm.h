@@ -12,8 +12,9 @@ enum class ScaleType { f32, f16, bf16 };
 struct Problem {
   const float* x; // [M, K], row-major
   const float* xsum; // [M, K / group_size]: x summed over each group
-  // x quantized to int8 or int16 per group (for those kernels): values [M, K], in
-  // the order the kernel reads them, and each group's scale [M, K / group_size].
+  // x quantized for the integer kernels: values [M, K] in the order the kernel
+  // reads them, and their scales: int16's one a group [M, K / group_size],
+  // int8's one per 4 values [M, K / 4] (quantize_int8).
   const void* xq;
   const float* xd;
   // x [M, K] in the lane order of the weights' words (lane_order), for the float
@@ -37,12 +38,18 @@ using RowsKernel = void (*)(const Problem&, int n0, int n1);
 using DequantizeKernel = void (*)(const Problem&, int n0, int n1, float* out);
 
 void rows_portable(const Problem& p, int n0, int n1);
+void rows_portable_int8(const Problem& p, int n0, int n1);
 void dequantize_portable(const Problem& p, int n0, int n1, float* out);
 
-// x quantized per group to int8 for an int8 kernel; `interleaved` puts each 32
+// x quantized per group to int16 for the int16 kernel; `interleaved` puts each 32
 // values as [even ones, odd ones], the order of 4-bit weights' low and high nibbles.
-void quantize_rows(const Problem& p, bool interleaved, int8_t* xq, float* xd);
 void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd);
+
+// x rounded to int8 for the int8 kernels: each block of 32 in the order the
+// kernels meet the weights' codes (4 bits: its even values, then its odd ones),
+// a scale per 4 of those (each int32 lane of a dot product sums 4), and each
+// group's sum of the rounded values into `xsum` (which the biases meet).
+void quantize_int8(const Problem& p, int8_t* xq, float* xs, float* xsum);
 
 // x's rows in the order a vector of 8 weight words holds its weights: in each
 // block of 8 words, field i of word j at [i * 8 + j] (a last block of 4 words at
@@ -51,6 +58,8 @@ void lane_order(const Problem& p, float* xl);
 
 #if defined(__x86_64__)
 void rows_avx2_int8(const Problem& p, int n0, int n1);
+void rows_avxvnni_int8(const Problem& p, int n0, int n1);
+void rows_avx512vnni_int8(const Problem& p, int n0, int n1);
 void rows_avx2_int16(const Problem& p, int n0, int n1);
 void rows_avx2(const Problem& p, int n0, int n1);
 void dequantize_avx2(const Problem& p, int n0, int n1, float* out);

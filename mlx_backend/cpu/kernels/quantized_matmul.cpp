@@ -185,8 +185,8 @@ struct Kernels {
   std::string isa;
   RowsKernel rows;
   DequantizeKernel dequantize;
-  // The row kernels on x rounded to int16 and to int8 per group (nullptr: none
-  // for this instruction set).
+  // The row kernels on x rounded to int16 per group and to int8 per 4 values
+  // (nullptr: none for this instruction set).
   RowsKernel rows_int16 = nullptr;
   RowsKernel rows_int8 = nullptr;
   // Whether `rows` reads x in lane order (Problem::xl).
@@ -195,22 +195,44 @@ struct Kernels {
 
 // The portable C++ kernels: any CPU, and any shape the kernels take.
 Kernels portable_kernels() {
-  return {"portable", rows_portable, dequantize_portable};
+#if defined(__aarch64__)
+  std::string name = "portable (neon)";
+#else
+  std::string name = "portable";
+#endif
+  return {name, rows_portable, dequantize_portable, nullptr, rows_portable_int8};
 }
 
-Kernels best_kernels() {
+// The kernels this CPU runs, best first: the float kernels are AVX2's wherever
+// it has AVX2, the int8 ones each instruction set's own dot product.
+std::vector<Kernels> cpu_kernels() {
+  std::vector<Kernels> out;
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {
+    Kernels avx2{
         "avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8, true};
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
+      Kernels vnni = avx2;
+      vnni.isa = "avx512vnni";
+      vnni.rows_int8 = rows_avx512vnni_int8;
+      out.push_back(vnni);
+    }
+    if (__builtin_cpu_supports("avxvnni")) {
+      Kernels vnni = avx2;
+      vnni.isa = "avxvnni";
+      vnni.rows_int8 = rows_avxvnni_int8;
+      out.push_back(vnni);
+    }
+    out.push_back(avx2);
   }
 #endif
-#if defined(__aarch64__)
-  return {"portable (neon)", rows_portable, dequantize_portable};
-#else
-  return portable_kernels();
-#endif
+  out.push_back(portable_kernels());
+  return out;
+}
+
+Kernels best_kernels() {
+  return cpu_kernels().front();
 }
 
 struct State {
@@ -273,8 +295,14 @@ void compute_tiles(const Problem& p, const Kernels& k) {
   }
 }
 
-// Rows m0..m0 + count of p (as far as p goes).
-Problem rows_block(const Problem& p, int m0, int count, size_t xq_bytes) {
+// Rows m0..m0 + count of p (as far as p goes), whose quantized x takes
+// `xq_bytes` a value and `xd_row` scales a row.
+Problem rows_block(
+    const Problem& p,
+    int m0,
+    int count,
+    size_t xq_bytes,
+    size_t xd_row) {
   if (m0 == 0 && p.M <= count) {
     return p;
   }
@@ -283,7 +311,7 @@ Problem rows_block(const Problem& p, int m0, int count, size_t xq_bytes) {
   b.M = std::min(count, p.M - m0);
   b.x = p.x + size_t(m0) * p.K;
   b.xsum = p.xsum + size_t(m0) * groups;
-  b.xd = p.xd + size_t(m0) * groups;
+  b.xd = p.xd + size_t(m0) * xd_row;
   if (p.xq != nullptr) {
     b.xq = static_cast<const char*>(p.xq) + size_t(m0) * p.K * xq_bytes;
   }
@@ -313,17 +341,22 @@ void compute(std::vector<Problem>& ps) {
   thread_local std::vector<std::array<int, 3>> spans;
   group_sums(first, xsum);
   RowsKernel rows = k.rows;
-  xd.resize(size_t(first.M) * (first.K / first.group_size));
-  first.xd = xd.data();
+  size_t xd_row = first.K / first.group_size;
   if (s.activations == "int16" && k.rows_int16 != nullptr) {
+    xd.resize(size_t(first.M) * xd_row);
     x16.resize(size_t(first.M) * first.K);
     quantize_rows(first, first.bits == 4, x16.data(), xd.data());
     first.xq = x16.data();
+    first.xd = xd.data();
     rows = k.rows_int16;
   } else if (s.activations == "int8" && k.rows_int8 != nullptr) {
+    // A scale per 4 values, and the groups' sums of the rounded values.
+    xd_row = first.K / 4;
+    xd.resize(size_t(first.M) * xd_row);
     x8.resize(size_t(first.M) * first.K);
-    quantize_rows(first, first.bits == 4, x8.data(), xd.data());
+    quantize_int8(first, x8.data(), xd.data(), xsum.data());
     first.xq = x8.data();
+    first.xd = xd.data();
     rows = k.rows_int8;
   }
   if (rows == k.rows && k.rows_read_lanes) {
@@ -364,7 +397,7 @@ void compute(std::vector<Problem>& ps) {
         // Many rows (no fast sgemm) in blocks of rows_limit, so that a block of x
         // stays in cache while the task's weight rows meet it.
         for (int m0 = 0; m0 < first.M; m0 += s.rows_limit) {
-          rows(rows_block(ps[i], m0, s.rows_limit, xq_bytes), n0, n1);
+          rows(rows_block(ps[i], m0, s.rows_limit, xq_bytes, xd_row), n0, n1);
         }
       },
       parallel);
@@ -695,7 +728,10 @@ Settings settings() {
       s.pool.size(),
       s.rows_limit,
       s.sgemm != nullptr,
-      s.kernels.rows_int8 != nullptr ? s.activations : "float32"};
+      (s.activations == "int16" ? s.kernels.rows_int16 : s.kernels.rows_int8) !=
+              nullptr
+          ? s.activations
+          : "float32"};
 }
 
 void set_activations(const std::string& activations) {
@@ -764,15 +800,23 @@ void use_sgemm(bool use) {
 void set_isa(const std::string& isa) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  Kernels best = best_kernels();
-  if (isa == "auto" || isa == best.isa) {
-    s.kernels = best;
-  } else if (isa == "portable") {
-    s.kernels = portable_kernels();
-  } else {
-    throw std::invalid_argument(
-        "[quantized_matmul] isa must be auto, portable or " + best.isa);
+  std::string names;
+  for (const Kernels& k : cpu_kernels()) {
+    if (isa == "auto" || isa == k.isa) {
+      s.kernels = k;
+      return;
+    }
+    names += ", " + k.isa;
   }
+  throw std::invalid_argument("[quantized_matmul] isa must be auto" + names);
+}
+
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  for (const Kernels& k : cpu_kernels()) {
+    out.push_back(k.isa);
+  }
+  return out;
 }
 
 } // namespace qmm

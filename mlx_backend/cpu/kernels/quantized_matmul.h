@@ -116,8 +116,11 @@ void set_activations(const std::string& activations);
 // Whether many rows of x go to the process's sgemm in tiles of dequantized weights
 // (worth it with a fast BLAS), or to the row kernel in blocks of rows_limit rows.
 void use_sgemm(bool use);
-// Pick the kernels: "auto" (the best this CPU runs), "avx2" or "portable".
+// Pick the kernels: "auto" (the best this CPU runs) or one of isas().
 void set_isa(const std::string& isa);
+// The kernels' instruction sets this CPU runs, best first (avx512vnni, avxvnni:
+// the int8 kernels' dot products; avx2; portable).
+std::vector<std::string> isas();
 
 // Calls fn(i) for i in [0, tasks) on the kernels' threads, on several of them
 // where the work (in multiply-adds) is large enough to pay for waking them.
