@@ -4,7 +4,9 @@
 // the weights' group scale). Written once, built for each instruction set by the
 // file that includes it: QMM_DOT_AVX512VNNI (vpdpbusd on 256 bits, AVX512-VNNI
 // with VL), QMM_DOT_AVXVNNI (AVX-VNNI's vpdpbusd) or neither (AVX2's maddubs and
-// madd). It defines INT8_ROWS(const Problem&, int n0, int n1).
+// madd). It defines INT8_ROWS(const Problem&, int n0, int n1). One row of x (a
+// lone stream's decode) meets weight rows 8 at a time (int8_eight); more rows
+// meet each weight row in tiles of up to 4 (int8_tile).
 //
 // x comes as quantize_int8 leaves it (qmm.h): int8 values in the order the
 // kernel meets the weights (a 4-bit block's even values, then its odd ones),
@@ -109,6 +111,124 @@ inline void int8_tile(
   store_rows<ROWS>(p, n, m, total, biases);
 }
 
+// One row of x against weight rows n..n + 8 (a lone stream's decode): x's
+// block, its lane scales and its layout for two rows (a 4-bit block's halves
+// broadcast) are loaded once for the 8 rows, two rows' 4-bit codes share a
+// vector, and each row's lanes stay apart until one reduction for the 8 (hadd).
+// `scales` and `biases`: the 8 rows' as float32, `room` apart.
+template <int BITS>
+inline void int8_eight(
+    const Problem& p,
+    int n,
+    int m,
+    const float* scales,
+    const float* biases,
+    int room) {
+  int blocks = p.K / 32;
+  int groups = p.K / p.group_size;
+  int shift = __builtin_ctz(p.group_size / 32);
+  std::size_t stride = std::size_t(p.K) * BITS / 32;
+  const uint32_t* rows[8];
+  for (int i = 0; i < 8; i++) {
+    rows[i] = p.w + std::size_t(n + i) * stride;
+  }
+  const int8_t* xq = static_cast<const int8_t*>(p.xq) + std::size_t(m) * p.K;
+  const float* xs = p.xd + std::size_t(m) * (p.K / 4);
+  // Four accumulators of two rows each (rows 2j | 2j + 1), or 8 of one row.
+  __m256 total[8];
+  for (int i = 0; i < 8; i++) {
+    total[i] = _mm256_setzero_ps();
+  }
+  for (int b = 0; b < blocks; b++) {
+    int g = b >> shift;
+    if constexpr (BITS == 4) {
+      if ((b & 3) == 0) {
+        for (int i = 0; i < 8; i++) {
+          fetch_ahead(rows[i] + 4 * b);
+        }
+      }
+      const __m256i mask = _mm256_set1_epi8(0x0f);
+      auto x = reinterpret_cast<const __m128i*>(xq + 32 * b);
+      __m256i even_x = _mm256_broadcastsi128_si256(_mm_loadu_si128(x));
+      __m256i odd_x = _mm256_broadcastsi128_si256(_mm_loadu_si128(x + 1));
+      auto lane_scales = reinterpret_cast<const __m128*>(xs + 8 * b);
+      __m256 even_lanes = _mm256_broadcast_ps(lane_scales);
+      __m256 odd_lanes = _mm256_broadcast_ps(lane_scales + 1);
+      for (int j = 0; j < 4; j++) {
+        __m256i codes = _mm256_loadu2_m128i(
+            reinterpret_cast<const __m128i*>(rows[2 * j + 1] + 4 * b),
+            reinterpret_cast<const __m128i*>(rows[2 * j] + 4 * b));
+        __m256i even = dot_bytes(_mm256_and_si256(codes, mask), even_x);
+        __m256i high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), mask);
+        __m256i odd = dot_bytes(high, odd_x);
+        __m256 pair = _mm256_set_m128(
+            _mm_broadcast_ss(scales + (2 * j + 1) * room + g),
+            _mm_broadcast_ss(scales + 2 * j * room + g));
+        total[j] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(even), _mm256_mul_ps(even_lanes, pair), total[j]);
+        total[j] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(odd), _mm256_mul_ps(odd_lanes, pair), total[j]);
+      }
+    } else {
+      if ((b & 1) == 0) {
+        for (int i = 0; i < 8; i++) {
+          fetch_ahead(rows[i] + 8 * b);
+        }
+      }
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
+      __m256 lanes = _mm256_loadu_ps(xs + 8 * b);
+      for (int i = 0; i < 8; i++) {
+        __m256i codes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + 8 * b));
+        __m256i sums;
+        if constexpr (RECENTRED_8BIT) {
+          __m256i centred = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+          sums = dot_bytes(_mm256_abs_epi8(centred), _mm256_sign_epi8(x, centred));
+        } else {
+          sums = dot_bytes(codes, x);
+        }
+        __m256 scale = _mm256_mul_ps(lanes, _mm256_broadcast_ss(scales + i * room + g));
+        total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[i]);
+      }
+    }
+  }
+  // Each row's sum: its lanes, halves of a vector for 4 bits, added in a tree.
+  __m256 sums;
+  if constexpr (BITS == 4) {
+    // Rows 0, 2, 4, 6 | 1, 3, 5, 7.
+    __m256 mixed = _mm256_hadd_ps(
+        _mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
+    sums = _mm256_permutevar8x32_ps(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  } else {
+    // Rows 0-3 | the same rows' upper lanes, then rows 4-7.
+    __m256 low = _mm256_hadd_ps(
+        _mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
+    __m256 high = _mm256_hadd_ps(
+        _mm256_hadd_ps(total[4], total[5]), _mm256_hadd_ps(total[6], total[7]));
+    sums = _mm256_add_ps(
+        _mm256_permute2f128_ps(low, high, 0x20),
+        _mm256_permute2f128_ps(low, high, 0x31));
+  }
+  // The biases meet the groups' sums of the rounded x.
+  const float* xsum = p.xsum + std::size_t(m) * groups;
+  alignas(32) float bias[8];
+  for (int i = 0; i < 8; i++) {
+    const float* row = biases + i * room;
+    __m256 dot = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(row + g), _mm256_loadu_ps(xsum + g), dot);
+    }
+    float tail = 0.0f;
+    for (; g < groups; g++) {
+      tail += row[g] * xsum[g];
+    }
+    bias[i] = horizontal_sum(dot) + tail;
+  }
+  float* y = p.y + std::size_t(m) * p.N + n;
+  _mm256_storeu_ps(y, _mm256_add_ps(sums, _mm256_load_ps(bias)));
+}
+
 template <int BITS>
 void int8_rows(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
@@ -118,6 +238,27 @@ void int8_rows(const Problem& p, int n0, int n1) {
   // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
   float* scales = scale_room.data();
   float* biases = bias_room.data();
+  if (p.M == 1) {
+    // Weight rows 8 at a time, each row's scales and biases at `room` floats.
+    int room = groups + 8;
+    thread_local std::vector<float> eight_scales, eight_biases;
+    eight_scales.resize(8 * room);
+    eight_biases.resize(8 * room);
+    float* s8 = eight_scales.data();
+    float* b8 = eight_biases.data();
+    for (; n0 + 8 <= n1; n0 += 8) {
+      for (int i = 0; i < 8; i++) {
+        load_scales(p, p.scales, n0 + i, s8 + i * room);
+        load_scales(p, p.biases, n0 + i, b8 + i * room);
+        if constexpr (BITS == 8 && RECENTRED_8BIT) {
+          for (int g = 0; g < groups; g++) {
+            b8[i * room + g] += 128.0f * s8[i * room + g];
+          }
+        }
+      }
+      int8_eight<BITS>(p, n0, 0, s8, b8, room);
+    }
+  }
   for (int n = n0; n < n1; n++) {
     load_scales(p, p.scales, n, scales);
     load_scales(p, p.biases, n, biases);
