@@ -111,21 +111,38 @@ inline void int8_tile(
   store_rows<ROWS>(p, n, m, total, biases);
 }
 
+template <ScaleType ST>
+constexpr int esize() {
+  return ST == ScaleType::f32 ? 4 : 2;
+}
+
+// A row's biases met with x's group sums, read where they are stored (ST).
+template <ScaleType ST>
+inline float bias_dot(const void* biases, const float* xsum, int groups) {
+  __m256 dot = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    dot = _mm256_fmadd_ps(eight_values<ST>(biases, g), _mm256_loadu_ps(xsum + g), dot);
+  }
+  float tail = 0.0f;
+  for (; g < groups; g++) {
+    tail += _mm_cvtss_f32(two_values<ST>(biases, g, g)) * xsum[g];
+  }
+  return horizontal_sum(dot) + tail;
+}
+
 // One row of x against weight rows n..n + 8 (a lone stream's decode): x's
 // block, its lane scales and its layout for two rows (a 4-bit block's halves
 // broadcast) are loaded once for the 8 rows, two rows' 4-bit codes share a
 // vector, and each row's lanes stay apart until one reduction for the 8 (hadd).
-// `scales` and `biases`: the 8 rows' as float32, `room` apart.
-template <int BITS>
-inline void int8_eight(
-    const Problem& p,
-    int n,
-    int m,
-    const float* scales,
-    const float* biases,
-    int room) {
+// The scales and biases are read where they are stored (ST), `stride_bytes` a
+// row.
+template <int BITS, ScaleType ST>
+inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes) {
   int blocks = p.K / 32;
   int groups = p.K / p.group_size;
+  const char* scales = static_cast<const char*>(p.scales) + n * stride_bytes;
+  const char* biases = static_cast<const char*>(p.biases) + n * stride_bytes;
   int shift = __builtin_ctz(p.group_size / 32);
   std::size_t stride = std::size_t(p.K) * BITS / 32;
   const uint32_t* rows[8];
@@ -161,9 +178,11 @@ inline void int8_eight(
         __m256i even = dot_bytes(_mm256_and_si256(codes, mask), even_x);
         __m256i high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), mask);
         __m256i odd = dot_bytes(high, odd_x);
-        __m256 pair = _mm256_set_m128(
-            _mm_broadcast_ss(scales + (2 * j + 1) * room + g),
-            _mm_broadcast_ss(scales + 2 * j * room + g));
+        // Row 2j's scale in the low lanes, row 2j + 1's in the high.
+        const char* row = scales + 2 * j * stride_bytes;
+        __m128 two = two_values<ST>(row, g, g + int(stride_bytes / esize<ST>()));
+        __m256 pair = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
         total[j] = _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(even), _mm256_mul_ps(even_lanes, pair), total[j]);
         total[j] = _mm256_fmadd_ps(
@@ -187,7 +206,8 @@ inline void int8_eight(
         } else {
           sums = dot_bytes(codes, x);
         }
-        __m256 scale = _mm256_mul_ps(lanes, _mm256_broadcast_ss(scales + i * room + g));
+        __m128 one = two_values<ST>(scales + i * stride_bytes, g, g);
+        __m256 scale = _mm256_mul_ps(lanes, _mm256_broadcastss_ps(one));
         total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[i]);
       }
     }
@@ -213,17 +233,11 @@ inline void int8_eight(
   const float* xsum = p.xsum + std::size_t(m) * groups;
   alignas(32) float bias[8];
   for (int i = 0; i < 8; i++) {
-    const float* row = biases + i * room;
-    __m256 dot = _mm256_setzero_ps();
-    int g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      dot = _mm256_fmadd_ps(_mm256_loadu_ps(row + g), _mm256_loadu_ps(xsum + g), dot);
+    bias[i] = bias_dot<ST>(biases + i * stride_bytes, xsum, groups);
+    if constexpr (BITS == 8 && RECENTRED_8BIT) {
+      // The codes met x less 128: the bias takes it back.
+      bias[i] += 128.0f * bias_dot<ST>(scales + i * stride_bytes, xsum, groups);
     }
-    float tail = 0.0f;
-    for (; g < groups; g++) {
-      tail += row[g] * xsum[g];
-    }
-    bias[i] = horizontal_sum(dot) + tail;
   }
   float* y = p.y + std::size_t(m) * p.N + n;
   _mm256_storeu_ps(y, _mm256_add_ps(sums, _mm256_load_ps(bias)));
@@ -239,24 +253,21 @@ void int8_rows(const Problem& p, int n0, int n1) {
   float* scales = scale_room.data();
   float* biases = bias_room.data();
   if (p.M == 1) {
-    // Weight rows 8 at a time, each row's scales and biases at `room` floats.
-    int room = groups + 8;
-    thread_local std::vector<float> eight_scales, eight_biases;
-    eight_scales.resize(8 * room);
-    eight_biases.resize(8 * room);
-    float* s8 = eight_scales.data();
-    float* b8 = eight_biases.data();
+    // Weight rows 8 at a time.
+    int bytes = p.scale_type == ScaleType::f32 ? 4 : 2;
+    std::size_t row_bytes = std::size_t(groups) * bytes;
     for (; n0 + 8 <= n1; n0 += 8) {
-      for (int i = 0; i < 8; i++) {
-        load_scales(p, p.scales, n0 + i, s8 + i * room);
-        load_scales(p, p.biases, n0 + i, b8 + i * room);
-        if constexpr (BITS == 8 && RECENTRED_8BIT) {
-          for (int g = 0; g < groups; g++) {
-            b8[i * room + g] += 128.0f * s8[i * room + g];
-          }
-        }
+      switch (p.scale_type) {
+        case ScaleType::f32:
+          int8_eight<BITS, ScaleType::f32>(p, n0, 0, row_bytes);
+          break;
+        case ScaleType::f16:
+          int8_eight<BITS, ScaleType::f16>(p, n0, 0, row_bytes);
+          break;
+        case ScaleType::bf16:
+          int8_eight<BITS, ScaleType::bf16>(p, n0, 0, row_bytes);
+          break;
       }
-      int8_eight<BITS>(p, n0, 0, s8, b8, room);
     }
   }
   for (int n = n0; n < n1; n++) {
