@@ -243,6 +243,12 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
   _mm256_storeu_ps(y, _mm256_add_ps(sums, _mm256_load_ps(bias)));
 }
 
+// The most rows of x that meet weight rows 8 at a time (int8_eight, once per row
+// of x); more go in tiles of 4 rows of x per weight row. Measured on an Intel
+// Xeon with AVX512-VNNI: 2 rows of x that way ran 0.86-1.16x the float32 kernel's
+// time, 4 rows 1.25-1.41x, where the tiles of 4 keep level with it.
+constexpr int EIGHT_ROWS_MOST = 1;
+
 template <int BITS>
 void int8_rows(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
@@ -252,21 +258,23 @@ void int8_rows(const Problem& p, int n0, int n1) {
   // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
   float* scales = scale_room.data();
   float* biases = bias_room.data();
-  if (p.M == 1) {
-    // Weight rows 8 at a time.
+  if (p.M <= EIGHT_ROWS_MOST) {
+    // Weight rows 8 at a time, against each row of x in turn.
     int bytes = p.scale_type == ScaleType::f32 ? 4 : 2;
     std::size_t row_bytes = std::size_t(groups) * bytes;
     for (; n0 + 8 <= n1; n0 += 8) {
-      switch (p.scale_type) {
-        case ScaleType::f32:
-          int8_eight<BITS, ScaleType::f32>(p, n0, 0, row_bytes);
-          break;
-        case ScaleType::f16:
-          int8_eight<BITS, ScaleType::f16>(p, n0, 0, row_bytes);
-          break;
-        case ScaleType::bf16:
-          int8_eight<BITS, ScaleType::bf16>(p, n0, 0, row_bytes);
-          break;
+      for (int m = 0; m < p.M; m++) {
+        switch (p.scale_type) {
+          case ScaleType::f32:
+            int8_eight<BITS, ScaleType::f32>(p, n0, m, row_bytes);
+            break;
+          case ScaleType::f16:
+            int8_eight<BITS, ScaleType::f16>(p, n0, m, row_bytes);
+            break;
+          case ScaleType::bf16:
+            int8_eight<BITS, ScaleType::bf16>(p, n0, m, row_bytes);
+            break;
+        }
       }
     }
   }
