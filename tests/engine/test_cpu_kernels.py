@@ -137,7 +137,8 @@ def test_int8_activations_keep_the_next_token_distributions():
     sums): over a fixed text the mean KL divergence from the float32 kernels'
     next-token distributions stays within 0.005 and the perplexity within 0.5%,
     as llama.cpp's --kl-divergence judges quantized inference; the load option
-    says so, and the engine answers as the float32 path does."""
+    says so, and greedy decodes of PROMPTS (a batch of 8) keep the float32
+    kernels' tokens up to a near tie (their best two within NEAR_TIE)."""
     engine = load_engine("kernel_activations:int8")
 
     def logprobs(model, options):
@@ -164,7 +165,35 @@ def test_int8_activations_keep_the_next_token_distributions():
         taken = np.arange(len(ids) - 1), np.array(ids[1:])
         nll = [-x[:-1][taken].mean() for x in (exact, rounded)]
         assert math.exp(nll[1] - nll[0]) <= 1.005
-        (events,) = run(engine, generation(engine))
-        assert text_of(events) == ANSWER
+        prompts = [chat_prompt(engine, q) for q in PROMPTS]
+        qmm, _ = kernels.load_kernels()
+        decodes = {}
+        for activations in ("float32", "int8"):
+            qmm.set_activations(activations)
+            decodes[activations] = decode(engine, BatchDecoder, prompts)
+        parted = 0
+        for mine, reference in zip(decodes["int8"], decodes["float32"]):
+            parted += part_at_a_near_tie(mine, reference)
+        # The first answer's "The" and "L" are 0.082 apart on float32 x.
+        assert parted < len(prompts)
     finally:
         engine.shutdown()
+
+
+# Where two greedy decodes may part: the float32 decode's best two logprobs this
+# close (the issue's bound for quantized activations, as the quantized-KV tests).
+NEAR_TIE = 0.1
+
+
+def part_at_a_near_tie(mine: tuple, reference: tuple) -> bool:
+    """Two greedy decodes (``drive``'s, with top-2 logprobs) agree token for
+    token, or part where the reference's best two were a near tie; whether they
+    parted."""
+    tokens, _, _ = mine
+    theirs, scores, _ = reference
+    for i, (a, b) in enumerate(zip(tokens, theirs)):
+        if a != b:
+            best = sorted(value for _, value in scores[i][1])
+            assert best[-1] - best[-2] < NEAR_TIE, f"parted at {i}, not a near tie"
+            return True
+    return False

@@ -4,9 +4,10 @@
 // the weights' group scale). Written once, built for each instruction set by the
 // file that includes it: QMM_DOT_AVX512VNNI (vpdpbusd on 256 bits, AVX512-VNNI
 // with VL), QMM_DOT_AVXVNNI (AVX-VNNI's vpdpbusd) or neither (AVX2's maddubs and
-// madd). It defines INT8_ROWS(const Problem&, int n0, int n1). One row of x (a
-// lone stream's decode) meets weight rows 8 at a time (int8_eight); more rows
-// meet each weight row in tiles of up to 4 (int8_tile).
+// madd). It defines INT8_ROWS(const Problem&, int n0, int n1). Weight rows go 8
+// at a time (int8_eight), 4-bit ones against 4 rows of x at a time on AVX-512
+// (2 elsewhere), 8-bit ones against one row of x; a batch's rows meet 8-bit
+// weights, and the weight rows left over, one weight row at a time (int8_tile).
 //
 // x comes as quantize_int8 leaves it (qmm.h): int8 values in the order the
 // kernel meets the weights (a 4-bit block's even values, then its odd ones),
@@ -131,14 +132,16 @@ inline float bias_dot(const void* biases, const float* xsum, int groups) {
   return horizontal_sum(dot) + tail;
 }
 
-// One row of x against weight rows n..n + 8 (a lone stream's decode): x's
-// block, its lane scales and its layout for two rows (a 4-bit block's halves
-// broadcast) are loaded once for the 8 rows, two rows' 4-bit codes share a
-// vector, and each row's lanes stay apart until one reduction for the 8 (hadd).
-// The scales and biases are read where they are stored (ST), `stride_bytes` a
-// row.
-template <int BITS, ScaleType ST>
+// R rows of x (m..m + R) against weight rows n..n + 8 (a lone stream's decode,
+// R = 1; a batch's rows, R at a time for 4 bits): each x row's block, its lane
+// scales and its layout for two rows (a 4-bit block's halves broadcast) are
+// loaded once for the 8 weight rows, two rows' 4-bit codes share a vector (and
+// each unpacked vector serves the R rows of x), and each row's lanes stay apart
+// until one reduction for the 8 (hadd). The scales and biases are read where
+// they are stored (ST), `stride_bytes` a row.
+template <int BITS, ScaleType ST, int R>
 inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes) {
+  static_assert(BITS == 4 || R == 1, "8-bit codes meet one row of x at a time");
   int blocks = p.K / 32;
   int groups = p.K / p.group_size;
   const char* scales = static_cast<const char*>(p.scales) + n * stride_bytes;
@@ -149,12 +152,19 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
   for (int i = 0; i < 8; i++) {
     rows[i] = p.w + std::size_t(n + i) * stride;
   }
-  const int8_t* xq = static_cast<const int8_t*>(p.xq) + std::size_t(m) * p.K;
-  const float* xs = p.xd + std::size_t(m) * (p.K / 4);
-  // Four accumulators of two rows each (rows 2j | 2j + 1), or 8 of one row.
-  __m256 total[8];
-  for (int i = 0; i < 8; i++) {
-    total[i] = _mm256_setzero_ps();
+  const int8_t* xq[R];
+  const float* xs[R];
+  for (int r = 0; r < R; r++) {
+    xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
+    xs[r] = p.xd + std::size_t(m + r) * (p.K / 4);
+  }
+  // Per row of x: four accumulators of two weight rows each (rows 2j | 2j + 1),
+  // or (8 bits) 8 of one row.
+  __m256 total[R][8];
+  for (int r = 0; r < R; r++) {
+    for (int i = 0; i < 8; i++) {
+      total[r][i] = _mm256_setzero_ps();
+    }
   }
   for (int b = 0; b < blocks; b++) {
     int g = b >> shift;
@@ -165,28 +175,37 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
         }
       }
       const __m256i mask = _mm256_set1_epi8(0x0f);
-      auto x = reinterpret_cast<const __m128i*>(xq + 32 * b);
-      __m256i even_x = _mm256_broadcastsi128_si256(_mm_loadu_si128(x));
-      __m256i odd_x = _mm256_broadcastsi128_si256(_mm_loadu_si128(x + 1));
-      auto lane_scales = reinterpret_cast<const __m128*>(xs + 8 * b);
-      __m256 even_lanes = _mm256_broadcast_ps(lane_scales);
-      __m256 odd_lanes = _mm256_broadcast_ps(lane_scales + 1);
+      __m256i even_x[R], odd_x[R];
+      __m256 even_lanes[R], odd_lanes[R];
+      for (int r = 0; r < R; r++) {
+        auto x = reinterpret_cast<const __m128i*>(xq[r] + 32 * b);
+        even_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(x));
+        odd_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(x + 1));
+        auto lane_scales = reinterpret_cast<const __m128*>(xs[r] + 8 * b);
+        even_lanes[r] = _mm256_broadcast_ps(lane_scales);
+        odd_lanes[r] = _mm256_broadcast_ps(lane_scales + 1);
+      }
       for (int j = 0; j < 4; j++) {
         __m256i codes = _mm256_loadu2_m128i(
             reinterpret_cast<const __m128i*>(rows[2 * j + 1] + 4 * b),
             reinterpret_cast<const __m128i*>(rows[2 * j] + 4 * b));
-        __m256i even = dot_bytes(_mm256_and_si256(codes, mask), even_x);
+        __m256i low = _mm256_and_si256(codes, mask);
         __m256i high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), mask);
-        __m256i odd = dot_bytes(high, odd_x);
         // Row 2j's scale in the low lanes, row 2j + 1's in the high.
         const char* row = scales + 2 * j * stride_bytes;
         __m128 two = two_values<ST>(row, g, g + int(stride_bytes / esize<ST>()));
         __m256 pair = _mm256_permutevar8x32_ps(
             _mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-        total[j] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(even), _mm256_mul_ps(even_lanes, pair), total[j]);
-        total[j] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(odd), _mm256_mul_ps(odd_lanes, pair), total[j]);
+        for (int r = 0; r < R; r++) {
+          __m256i even = dot_bytes(low, even_x[r]);
+          __m256i odd = dot_bytes(high, odd_x[r]);
+          total[r][j] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(even),
+              _mm256_mul_ps(even_lanes[r], pair),
+              total[r][j]);
+          total[r][j] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(odd), _mm256_mul_ps(odd_lanes[r], pair), total[r][j]);
+        }
       }
     } else {
       if ((b & 1) == 0) {
@@ -194,8 +213,8 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
           fetch_ahead(rows[i] + 8 * b);
         }
       }
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
-      __m256 lanes = _mm256_loadu_ps(xs + 8 * b);
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[0] + 32 * b));
+      __m256 lanes = _mm256_loadu_ps(xs[0] + 8 * b);
       for (int i = 0; i < 8; i++) {
         __m256i codes =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + 8 * b));
@@ -208,46 +227,64 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
         }
         __m128 one = two_values<ST>(scales + i * stride_bytes, g, g);
         __m256 scale = _mm256_mul_ps(lanes, _mm256_broadcastss_ps(one));
-        total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[i]);
+        total[0][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[0][i]);
       }
     }
   }
-  // Each row's sum: its lanes, halves of a vector for 4 bits, added in a tree.
-  __m256 sums;
-  if constexpr (BITS == 4) {
-    // Rows 0, 2, 4, 6 | 1, 3, 5, 7.
-    __m256 mixed = _mm256_hadd_ps(
-        _mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
-    sums = _mm256_permutevar8x32_ps(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  } else {
-    // Rows 0-3 | the same rows' upper lanes, then rows 4-7.
-    __m256 low = _mm256_hadd_ps(
-        _mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
-    __m256 high = _mm256_hadd_ps(
-        _mm256_hadd_ps(total[4], total[5]), _mm256_hadd_ps(total[6], total[7]));
-    sums = _mm256_add_ps(
-        _mm256_permute2f128_ps(low, high, 0x20),
-        _mm256_permute2f128_ps(low, high, 0x31));
-  }
-  // The biases meet the groups' sums of the rounded x.
-  const float* xsum = p.xsum + std::size_t(m) * groups;
-  alignas(32) float bias[8];
-  for (int i = 0; i < 8; i++) {
-    bias[i] = bias_dot<ST>(biases + i * stride_bytes, xsum, groups);
-    if constexpr (BITS == 8 && RECENTRED_8BIT) {
-      // The codes met x less 128: the bias takes it back.
-      bias[i] += 128.0f * bias_dot<ST>(scales + i * stride_bytes, xsum, groups);
+  for (int r = 0; r < R; r++) {
+    // Each row's sum: its lanes, halves of a vector for 4 bits, added in a tree.
+    __m256 sums;
+    const __m256* t = total[r];
+    if constexpr (BITS == 4) {
+      // Rows 0, 2, 4, 6 | 1, 3, 5, 7.
+      __m256 mixed =
+          _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+      sums = _mm256_permutevar8x32_ps(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else {
+      // Rows 0-3 | the same rows' upper lanes, then rows 4-7.
+      __m256 low =
+          _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+      __m256 high =
+          _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+      sums = _mm256_add_ps(
+          _mm256_permute2f128_ps(low, high, 0x20),
+          _mm256_permute2f128_ps(low, high, 0x31));
     }
+    // The biases meet the groups' sums of the rounded x.
+    const float* xsum = p.xsum + std::size_t(m + r) * groups;
+    alignas(32) float bias[8];
+    for (int i = 0; i < 8; i++) {
+      bias[i] = bias_dot<ST>(biases + i * stride_bytes, xsum, groups);
+      if constexpr (BITS == 8 && RECENTRED_8BIT) {
+        // The codes met x less 128: the bias takes it back.
+        bias[i] += 128.0f * bias_dot<ST>(scales + i * stride_bytes, xsum, groups);
+      }
+    }
+    float* y = p.y + std::size_t(m + r) * p.N + n;
+    _mm256_storeu_ps(y, _mm256_add_ps(sums, _mm256_load_ps(bias)));
   }
-  float* y = p.y + std::size_t(m) * p.N + n;
-  _mm256_storeu_ps(y, _mm256_add_ps(sums, _mm256_load_ps(bias)));
 }
 
-// The most rows of x that meet weight rows 8 at a time (int8_eight, once per row
-// of x); more go in tiles of 4 rows of x per weight row. Measured on an Intel
-// Xeon with AVX512-VNNI: 2 rows of x that way ran 0.86-1.16x the float32 kernel's
-// time, 4 rows 1.25-1.41x, where the tiles of 4 keep level with it.
-constexpr int EIGHT_ROWS_MOST = 1;
+// Weight rows n..n + 8 against rows m..m + R of x, the scales' type dispatched.
+template <int BITS, int R>
+inline void int8_eight_rows(const Problem& p, int n, int m, std::size_t row_bytes) {
+  switch (p.scale_type) {
+    case ScaleType::f32:
+      return int8_eight<BITS, ScaleType::f32, R>(p, n, m, row_bytes);
+    case ScaleType::f16:
+      return int8_eight<BITS, ScaleType::f16, R>(p, n, m, row_bytes);
+    case ScaleType::bf16:
+      return int8_eight<BITS, ScaleType::bf16, R>(p, n, m, row_bytes);
+  }
+}
+
+// Rows of x that share each unpacked vector of 4-bit codes: their accumulators
+// fit AVX-512's 32 vector registers four at a time, AVX2's 16 two at a time.
+#if defined(QMM_DOT_AVX512VNNI)
+constexpr int EIGHT_X_ROWS = 4;
+#else
+constexpr int EIGHT_X_ROWS = 2;
+#endif
 
 template <int BITS>
 void int8_rows(const Problem& p, int n0, int n1) {
@@ -258,23 +295,26 @@ void int8_rows(const Problem& p, int n0, int n1) {
   // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
   float* scales = scale_room.data();
   float* biases = bias_room.data();
-  if (p.M <= EIGHT_ROWS_MOST) {
-    // Weight rows 8 at a time, against each row of x in turn.
+  // 8-bit codes meet a batch's rows in tiles of 4 (below): 8 weight rows a row
+  // of x at a time took 1.35x the float32 kernel's time at 4 and 16 rows.
+  if (BITS == 4 || p.M == 1) {
+    // Weight rows 8 at a time, against the rows of x EIGHT_X_ROWS at a time (the
+    // leftover weight rows below, one at a time).
     int bytes = p.scale_type == ScaleType::f32 ? 4 : 2;
     std::size_t row_bytes = std::size_t(groups) * bytes;
     for (; n0 + 8 <= n1; n0 += 8) {
-      for (int m = 0; m < p.M; m++) {
-        switch (p.scale_type) {
-          case ScaleType::f32:
-            int8_eight<BITS, ScaleType::f32>(p, n0, m, row_bytes);
-            break;
-          case ScaleType::f16:
-            int8_eight<BITS, ScaleType::f16>(p, n0, m, row_bytes);
-            break;
-          case ScaleType::bf16:
-            int8_eight<BITS, ScaleType::bf16>(p, n0, m, row_bytes);
-            break;
+      int m = 0;
+      if constexpr (BITS == 4) {
+        for (; m + EIGHT_X_ROWS <= p.M; m += EIGHT_X_ROWS) {
+          int8_eight_rows<BITS, EIGHT_X_ROWS>(p, n0, m, row_bytes);
         }
+        if (EIGHT_X_ROWS > 2 && m + 2 <= p.M) {
+          int8_eight_rows<BITS, 2>(p, n0, m, row_bytes);
+          m += 2;
+        }
+      }
+      for (; m < p.M; m++) {
+        int8_eight_rows<BITS, 1>(p, n0, m, row_bytes);
       }
     }
   }
