@@ -335,21 +335,9 @@ void rows_float(const Problem& p, int n0, int n1) {
       std::size_t offset = n * stride;
       const void* s = scales + offset;
       const void* b = biases + offset;
-      int m = wide;
-      for (; m + 4 <= p.M; m += 4) {
-        rows_tile<BITS, 4, ST>(p, n, m, s, b);
-      }
-      switch (p.M - m) {
-        case 3:
-          rows_tile<BITS, 3, ST>(p, n, m, s, b);
-          break;
-        case 2:
-          rows_tile<BITS, 2, ST>(p, n, m, s, b);
-          break;
-        case 1:
-          rows_tile<BITS, 1, ST>(p, n, m, s, b);
-          break;
-      }
+      x_tiles(wide, p.M, [&]<int ROWS>(int m) {
+        rows_tile<BITS, ROWS, ST>(p, n, m, s, b);
+      });
     }
   }
 }
@@ -371,30 +359,13 @@ void rows_float_bits(const Problem& p, int n0, int n1) {
 template <int BITS>
 void rows_int16(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
-  thread_local std::vector<float> scale_room, bias_room;
-  scale_room.resize(groups + 8);
-  bias_room.resize(groups + 8);
-  // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
-  float* scales = scale_room.data();
-  float* biases = bias_room.data();
+  auto [scales, biases] = row_scale_room(groups);
   for (int n = n0; n < n1; n++) {
     load_scales(p, p.scales, n, scales);
     load_scales(p, p.biases, n, biases);
-    int m = 0;
-    for (; m + 4 <= p.M; m += 4) {
-      rows_tile_int16<BITS, 4>(p, n, m, scales, biases);
-    }
-    switch (p.M - m) {
-      case 3:
-        rows_tile_int16<BITS, 3>(p, n, m, scales, biases);
-        break;
-      case 2:
-        rows_tile_int16<BITS, 2>(p, n, m, scales, biases);
-        break;
-      case 1:
-        rows_tile_int16<BITS, 1>(p, n, m, scales, biases);
-        break;
-    }
+    x_tiles(0, p.M, [&]<int ROWS>(int m) {
+      rows_tile_int16<BITS, ROWS>(p, n, m, scales, biases);
+    });
   }
 }
 

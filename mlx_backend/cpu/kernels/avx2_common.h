@@ -6,6 +6,8 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "qmm.h"
 
@@ -138,6 +140,36 @@ inline void store_rows(
   }
   for (int r = 0; r < ROWS; r++) {
     p.y[std::size_t(m + r) * p.N + n] = horizontal_sum(total[r]);
+  }
+}
+
+// Room for a weight row's scales and biases as float32, rounded up to 8 (the
+// calling thread's, kept between calls; plain pointers, since a thread_local
+// reached from a loop costs a TLS lookup a row).
+inline std::pair<float*, float*> row_scale_room(int groups) {
+  thread_local std::vector<float> scale_room, bias_room;
+  scale_room.resize(groups + 8);
+  bias_room.resize(groups + 8);
+  return {scale_room.data(), bias_room.data()};
+}
+
+// tile.operator()<R>(m) over rows m..M of x: tiles of 4, then the 1 to 3 rows
+// left.
+template <typename Tile>
+inline void x_tiles(int m, int M, Tile&& tile) {
+  for (; m + 4 <= M; m += 4) {
+    tile.template operator()<4>(m);
+  }
+  switch (M - m) {
+    case 3:
+      tile.template operator()<3>(m);
+      break;
+    case 2:
+      tile.template operator()<2>(m);
+      break;
+    case 1:
+      tile.template operator()<1>(m);
+      break;
   }
 }
 

@@ -289,12 +289,7 @@ constexpr int EIGHT_X_ROWS = 2;
 template <int BITS>
 void int8_rows(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
-  thread_local std::vector<float> scale_room, bias_room;
-  scale_room.resize(groups + 8);
-  bias_room.resize(groups + 8);
-  // Plain pointers: a thread_local reached from the loop costs a TLS lookup a row.
-  float* scales = scale_room.data();
-  float* biases = bias_room.data();
+  auto [scales, biases] = row_scale_room(groups);
   // 8-bit codes meet a batch's rows in tiles of 4 (below): 8 weight rows a row
   // of x at a time took 1.35x the float32 kernel's time at 4 and 16 rows.
   if (BITS == 4 || p.M == 1) {
@@ -326,21 +321,9 @@ void int8_rows(const Problem& p, int n0, int n1) {
         biases[g] += 128.0f * scales[g];
       }
     }
-    int m = 0;
-    for (; m + 4 <= p.M; m += 4) {
-      int8_tile<BITS, 4>(p, n, m, scales, biases);
-    }
-    switch (p.M - m) {
-      case 3:
-        int8_tile<BITS, 3>(p, n, m, scales, biases);
-        break;
-      case 2:
-        int8_tile<BITS, 2>(p, n, m, scales, biases);
-        break;
-      case 1:
-        int8_tile<BITS, 1>(p, n, m, scales, biases);
-        break;
-    }
+    x_tiles(0, p.M, [&]<int ROWS>(int m) {
+      int8_tile<BITS, ROWS>(p, n, m, scales, biases);
+    });
   }
 }
 
