@@ -7,7 +7,8 @@ absorbed form mlx-lm runs for a decode token, for every token: a page's key is
 the latent and the rotary key side by side, its value the latent; a query is the
 head's query taken into the latent's space beside its rotary query; attention
 over pages then gives each head's output in the latent's space, which the head
-takes back out. Pages hold the latent twice (as key and as value).
+takes back out. Pages hold the latent once: the values are the keys' latent
+dims, which attention reads through the key arenas (``value_dims``).
 """
 
 from collections.abc import Iterable

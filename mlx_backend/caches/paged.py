@@ -54,8 +54,8 @@ class LayerShape:
     dtype, and the dtype its pages store them in (None: the model's), or
     (``bits``) MLX's affine quantization in groups of ``group_size`` dims.
     ``latent``: an MLA layer's latent dims (its pages' keys are the latent and
-    the rotary key, its values the latent; mlx-lm's cache keeps the latent as
-    keys and the rotary key as values). ``window``: a sliding window's keys (0:
+    the rotary key, its values the keys' latent dims, held once; mlx-lm's cache
+    keeps the latent as keys and the rotary key as values). ``window``: a sliding window's keys (0:
     the layer sees every key); such a layer's pages behind its window are freed
     (``caches/page_tables.py``)."""
 
@@ -76,8 +76,12 @@ class LayerShape:
     @property
     def planes(self) -> tuple[tuple[int, mx.Dtype], ...]:
         """Each array a page keeps per token and head, as (width, dtype): keys'
-        then values'. Quantized: codes packed in words (as ``mx.quantize`` packs
-        them), then float32 scales and biases, for keys and for values."""
+        then values' (an MLA layer's keys alone: its values are their latent).
+        Quantized: codes packed in words (as ``mx.quantize`` packs them), then
+        float32 scales and biases, for keys and for values."""
+        if self.latent:
+            # MLA: the values are the keys' first dims (the latent), held once.
+            return ((self.key_dims, self.stored),)
         if self.bits is None:
             return ((self.key_dims, self.stored), (self.value_dims, self.stored))
         return tuple(
@@ -302,7 +306,10 @@ class PagedKV:
             ]
             for arenas in self.planes[layer]
         ]
-        if self.shapes[layer].bits is None:
+        shape = self.shapes[layer]
+        if shape.latent:
+            return parts[0], parts[0][..., : shape.latent]
+        if shape.bits is None:
             return tuple(parts)
         return tuple(parts[:3]), tuple(parts[3:])
 

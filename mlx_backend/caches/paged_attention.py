@@ -101,6 +101,8 @@ def _attention(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
             arena_pages=k.kv.arena_pages,
             window=window,
             sinks=sinks,
+            # MLA: the values are the keys' latent dims.
+            value_dims=shape.latent,
             **quantized_arenas(k.kv, k.layer),
         )
     return gathered_attention(q, k, scale, sinks, stream, window)

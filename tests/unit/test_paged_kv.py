@@ -238,6 +238,7 @@ def kernel_error(qmm, q, kv: PagedKV, layout, sink, window: int = 0) -> float:
         arena_pages=kv.arena_pages,
         window=window,
         sinks=sink,
+        value_dims=kv.shapes[0].latent,
         **quantized_arenas(kv, 0),
     )
     assert got.shape == expected.shape
@@ -356,6 +357,24 @@ def test_a_pass_quantizes_what_it_writes_and_a_kept_state_leaves_as_mlx_lm_quant
         assert mx.allclose(a, x, atol=0.05).item()
     # 64 one-byte codes, and two groups' float32 scale and bias, per token and head.
     assert kv.page_nbytes == PAGE_TOKENS * 2 * 2 * (64 + 2 * 2 * 4)
+
+
+def test_an_mla_layer_holds_its_latent_once(qmm, isa):
+    """MLA's pages keep each token's latent and rotary key side by side, and its
+    values are the latent: the keys' first dims, read through the key arenas
+    (``value_dims``), on the kernel as over gathered pages."""
+    install_paged_ops()
+    shape = LayerShape(1, 40, 32, mx.float32, latent=32)
+    kv = PagedKV([shape], arena_pages=4)
+    assert kv.page_nbytes == PAGE_TOKENS * 40 * 4
+    assert kv.values[0] is kv.keys[0]
+    kv.allocate(9)
+    random_pools(kv, 15)
+    keys, values = kv.read(0, list(range(3)), 70)
+    assert mx.array_equal(values, keys[..., :32])
+    layout = kv.layout(SEGMENTS)
+    q = mx.random.normal((1, 4, layout.tokens, 40), key=mx.random.key(16))
+    assert kernel_error(qmm, q, kv, layout, None) < 2e-5
 
 
 def test_a_table_with_holes_attends_as_the_whole_table(qmm, isa):

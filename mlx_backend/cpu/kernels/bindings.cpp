@@ -131,6 +131,7 @@ NB_MODULE(_qmm, m) {
       "value_biases"_a = std::vector<mlx::core::array>{},
       "bits"_a = 0,
       "group_size"_a = 0,
+      "value_dims"_a = 0,
       "stream"_a = nb::none(),
       "Attention of flattened sequences over paged keys and values in arenas, one "
       "node; where bits > 0 the arenas hold MLX's quantized codes, with their "

@@ -704,6 +704,7 @@ mx::array paged_attention(
     const std::vector<mx::array>& value_biases,
     int bits,
     int group_size,
+    int value_dims,
     mx::StreamOrDevice s_) {
   const char* op = "paged_attention";
   int heads = queries.ndim() == 4 ? queries.shape(1) : 0;
@@ -733,6 +734,11 @@ mx::array paged_attention(
     int words = values[0].ndim() == 3 ? values[0].shape(2) : 0;
     Dv = quantized ? words * 32 / bits : words;
     fits = !quantized || (Dv % group_size == 0 && row_dims(Dv) == words);
+    // A row's first value_dims dims (float arenas only).
+    if (value_dims != 0) {
+      fits = fits && !quantized && value_dims > 0 && value_dims <= words;
+      Dv = value_dims;
+    }
   }
   for (size_t a = 0; fits && a < keys.size(); a++) {
     auto &k = keys[a], &v = values[a];
@@ -816,7 +822,8 @@ mx::array paged_attention(
           window,
           sinks.has_value(),
           bits,
-          group_size),
+          group_size,
+          value_dims),
       std::move(inputs));
   return as(y, out_type, s);
 }
@@ -830,7 +837,8 @@ void CpuPagedAttention::eval_cpu(
                                         window = window_,
                                         has_sinks = has_sinks_,
                                         bits = bits_,
-                                        group_size = group_size_](
+                                        group_size = group_size_,
+                                        value_dims = value_dims_](
                                            std::vector<mx::array>& in,
                                            mx::array& out) {
     for (size_t i = 1; i < in.size() - (has_sinks ? 1 : 0); i++) {
@@ -844,7 +852,9 @@ void CpuPagedAttention::eval_cpu(
     auto& first_keys = in[3];
     auto& first_values = in[3 + arenas];
     int kv_heads = first_keys.shape(1);
-    int Dv = bits > 0 ? first_values.shape(2) * 32 / bits : first_values.shape(2);
+    // A value row's dims in its arena (codes' where quantized), and those read.
+    int value_row = bits > 0 ? first_values.shape(2) * 32 / bits : first_values.shape(2);
+    int Dv = value_dims > 0 ? value_dims : value_row;
     int repeats = heads / kv_heads;
     // Float16 arenas' bits and quantized arenas' codes, read through float
     // pointers the row kernel widens.
@@ -891,7 +901,8 @@ void CpuPagedAttention::eval_cpu(
     // Per token of an arena: elements (bytes of codes where quantized), and
     // where quantized its scales (as many as its biases).
     int64_t token_stride = int64_t(kv_heads) * (bits > 0 ? D * bits / 8 : D);
-    int64_t value_stride = int64_t(kv_heads) * (bits > 0 ? Dv * bits / 8 : Dv);
+    int64_t value_stride =
+        int64_t(kv_heads) * (bits > 0 ? value_row * bits / 8 : value_row);
     int k_groups = bits > 0 ? D / group_size : 0;
     int v_groups = bits > 0 ? Dv / group_size : 0;
     const RowKernels& kernels = row_kernels();
@@ -920,7 +931,7 @@ void CpuPagedAttention::eval_cpu(
           row.k_page_stride = token_stride * fused::KEYS_BLOCK;
           row.v_page_stride = value_stride * fused::KEYS_BLOCK;
           row.k_head = int64_t(kv) * (bits > 0 ? D * bits / 8 : D);
-          row.v_head = int64_t(kv) * (bits > 0 ? Dv * bits / 8 : Dv);
+          row.v_head = int64_t(kv) * (bits > 0 ? value_row * bits / 8 : value_row);
           if (bits > 0) {
             row.bits = bits;
             row.group_size = group_size;
@@ -963,13 +974,13 @@ bool CpuPagedAttention::is_equivalent(const mx::Primitive& other) const {
   return scale_ == o.scale_ && arenas_ == o.arenas_ &&
       arena_pages_ == o.arena_pages_ && window_ == o.window_ &&
       has_sinks_ == o.has_sinks_ && bits_ == o.bits_ &&
-      group_size_ == o.group_size_;
+      group_size_ == o.group_size_ && value_dims_ == o.value_dims_;
 }
 
 std::vector<mx::Shape> CpuPagedAttention::output_shapes(
     const std::vector<mx::array>& inputs) {
   int words = inputs[3 + arenas_].shape(2);
-  int Dv = bits_ > 0 ? words * 32 / bits_ : words;
+  int Dv = value_dims_ > 0 ? value_dims_ : bits_ > 0 ? words * 32 / bits_ : words;
   return {{1, inputs[0].shape(1), inputs[0].shape(2), Dv}};
 }
 

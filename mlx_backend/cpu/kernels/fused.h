@@ -54,7 +54,9 @@ mx::array attention(
 // arena_pages). Each row of `segments` (first token, tokens, context) is one
 // sequence: its queries see its first `context` keys, causal within the segment,
 // through its row of `tables`; with a `window`, each query only the last `window`
-// of those (itself included), as a sliding-window layer does.
+// of those (itself included), as a sliding-window layer does. `value_dims` (float
+// arenas): the values are the first that many dims of the value arenas' rows (MLA's
+// latent, the keys' first dims: the key arenas passed as values too); 0: all.
 mx::array paged_attention(
     const mx::array& queries,
     const std::vector<mx::array>& keys,
@@ -71,6 +73,7 @@ mx::array paged_attention(
     const std::vector<mx::array>& value_biases = {},
     int bits = 0,
     int group_size = 0,
+    int value_dims = 0,
     mx::StreamOrDevice s = {});
 
 // mlx-lm's swiglu: silu(gate) * x, for inputs of one shape.
@@ -209,7 +212,8 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
       int window,
       bool has_sinks,
       int bits,
-      int group_size)
+      int group_size,
+      int value_dims)
       : mx::UnaryPrimitive(stream),
         scale_(scale),
         arenas_(arenas),
@@ -217,7 +221,8 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
         window_(window),
         has_sinks_(has_sinks),
         bits_(bits),
-        group_size_(group_size) {}
+        group_size_(group_size),
+        value_dims_(value_dims) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -236,6 +241,7 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
   bool has_sinks_;
   int bits_;
   int group_size_;
+  int value_dims_;
 };
 
 // The instruction set the fused kernels run on: "auto" picks the best this CPU
