@@ -4,10 +4,11 @@
 // the weights' group scale). Written once, built for each instruction set by the
 // file that includes it: QMM_DOT_AVX512VNNI (vpdpbusd on 256 bits, AVX512-VNNI
 // with VL), QMM_DOT_AVXVNNI (AVX-VNNI's vpdpbusd) or neither (AVX2's maddubs and
-// madd). It defines INT8_ROWS(const Problem&, int n0, int n1). Weight rows go 8
-// at a time (int8_eight), 4-bit ones against 4 rows of x at a time on AVX-512
-// (2 elsewhere), 8-bit ones against one row of x; a batch's rows meet 8-bit
-// weights, and the weight rows left over, one weight row at a time (int8_tile).
+// madd, for 4-bit codes). It defines INT8_ROWS(const Problem&, int n0, int n1).
+// Weight rows go 8 at a time (int8_eight), 4-bit ones against 4 rows of x at a
+// time on AVX-512 (2 elsewhere), 8-bit ones against one row of x; a batch's rows
+// meet 8-bit weights, and the weight rows left over, one weight row at a time
+// (int8_tile).
 //
 // x comes as quantize_int8 leaves it (qmm.h): int8 values in the order the
 // kernel meets the weights (a 4-bit block's even values, then its odd ones),
@@ -21,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "avx2_common.h"
@@ -45,7 +47,7 @@ inline __m256i code_bytes(const uint32_t* packed) {
 
 #if defined(QMM_DOT_AVX512VNNI) || defined(QMM_DOT_AVXVNNI)
 // Unsigned codes of any width times signed x, four into each int32 lane.
-constexpr bool RECENTRED_8BIT = false;
+constexpr bool DOTS_8BIT = true;
 
 inline __m256i dot_bytes(__m256i w, __m256i x) {
 #if defined(QMM_DOT_AVX512VNNI)
@@ -56,9 +58,10 @@ inline __m256i dot_bytes(__m256i w, __m256i x) {
 }
 #else
 // maddubs saturates a pair's sum at 32767: 4-bit codes can't reach it (2 * 15 *
-// 127), 8-bit ones can, so those meet x as code - 128 (the biases take the 128),
-// its magnitude unsigned and its sign moved onto x.
-constexpr bool RECENTRED_8BIT = true;
+// 127), 8-bit ones can. Recentred to code - 128 (the bias taking the 128), a decode
+// row of 8-bit weights took 1.29x the float32 kernel's time: they stay on that one
+// (Kernels::int8_for_8bit).
+constexpr bool DOTS_8BIT = false;
 
 inline __m256i dot_bytes(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
@@ -90,23 +93,11 @@ inline void int8_tile(
     }
     __m256i w = code_bytes<BITS>(packed);
     __m256 scale = _mm256_set1_ps(scales[b >> shift]);
-    if constexpr (BITS == 8 && RECENTRED_8BIT) {
-      __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
-      __m256i magnitude = _mm256_abs_epi8(centred);
-      for (int r = 0; r < ROWS; r++) {
-        auto at = reinterpret_cast<const __m256i*>(xq[r] + 32 * b);
-        __m256i x = _mm256_sign_epi8(_mm256_loadu_si256(at), centred);
-        __m256i sums = dot_bytes(magnitude, x);
-        __m256 lanes = _mm256_mul_ps(_mm256_loadu_ps(xs[r] + 8 * b), scale);
-        total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes, total[r]);
-      }
-    } else {
-      for (int r = 0; r < ROWS; r++) {
-        auto at = reinterpret_cast<const __m256i*>(xq[r] + 32 * b);
-        __m256i sums = dot_bytes(w, _mm256_loadu_si256(at));
-        __m256 lanes = _mm256_mul_ps(_mm256_loadu_ps(xs[r] + 8 * b), scale);
-        total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes, total[r]);
-      }
+    for (int r = 0; r < ROWS; r++) {
+      auto at = reinterpret_cast<const __m256i*>(xq[r] + 32 * b);
+      __m256i sums = dot_bytes(w, _mm256_loadu_si256(at));
+      __m256 lanes = _mm256_mul_ps(_mm256_loadu_ps(xs[r] + 8 * b), scale);
+      total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes, total[r]);
     }
   }
   store_rows<ROWS>(p, n, m, total, biases);
@@ -218,13 +209,7 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
       for (int i = 0; i < 8; i++) {
         __m256i codes =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + 8 * b));
-        __m256i sums;
-        if constexpr (RECENTRED_8BIT) {
-          __m256i centred = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
-          sums = dot_bytes(_mm256_abs_epi8(centred), _mm256_sign_epi8(x, centred));
-        } else {
-          sums = dot_bytes(codes, x);
-        }
+        __m256i sums = dot_bytes(codes, x);
         __m128 one = two_values<ST>(scales + i * stride_bytes, g, g);
         __m256 scale = _mm256_mul_ps(lanes, _mm256_broadcastss_ps(one));
         total[0][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, total[0][i]);
@@ -255,10 +240,6 @@ inline void int8_eight(const Problem& p, int n, int m, std::size_t stride_bytes)
     alignas(32) float bias[8];
     for (int i = 0; i < 8; i++) {
       bias[i] = bias_dot<ST>(biases + i * stride_bytes, xsum, groups);
-      if constexpr (BITS == 8 && RECENTRED_8BIT) {
-        // The codes met x less 128: the bias takes it back.
-        bias[i] += 128.0f * bias_dot<ST>(scales + i * stride_bytes, xsum, groups);
-      }
     }
     float* y = p.y + std::size_t(m + r) * p.N + n;
     _mm256_storeu_ps(y, _mm256_add_ps(sums, _mm256_load_ps(bias)));
@@ -316,11 +297,6 @@ void int8_rows(const Problem& p, int n0, int n1) {
   for (int n = n0; n < n1; n++) {
     load_scales(p, p.scales, n, scales);
     load_scales(p, p.biases, n, biases);
-    if constexpr (BITS == 8 && RECENTRED_8BIT) {
-      for (int g = 0; g < groups; g++) {
-        biases[g] += 128.0f * scales[g];
-      }
-    }
     x_tiles(0, p.M, [&]<int ROWS>(int m) {
       int8_tile<BITS, ROWS>(p, n, m, scales, biases);
     });
@@ -332,8 +308,10 @@ void int8_rows(const Problem& p, int n0, int n1) {
 void INT8_ROWS(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
     int8_rows<4>(p, n0, n1);
-  } else {
+  } else if constexpr (DOTS_8BIT) {
     int8_rows<8>(p, n0, n1);
+  } else {
+    throw std::logic_error("[quantized_matmul] 8-bit weights take the float32 kernel");
   }
 }
 

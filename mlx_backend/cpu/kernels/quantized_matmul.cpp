@@ -191,6 +191,9 @@ struct Kernels {
   RowsKernel rows_int8 = nullptr;
   // Whether `rows` reads x in lane order (Problem::xl).
   bool rows_read_lanes = false;
+  // Whether 8-bit weights take rows_int8 too: AVX2's has to recentre their codes
+  // (maddubs saturates), and a decode row took 1.29x the float32 kernel's time.
+  bool int8_for_8bit = true;
 };
 
 // The portable C++ kernels: any CPU, and any shape the kernels take.
@@ -211,17 +214,20 @@ std::vector<Kernels> cpu_kernels() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
     Kernels avx2{
-        "avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8, true};
+        "avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8, true,
+        false};
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
       Kernels vnni = avx2;
       vnni.isa = "avx512vnni";
       vnni.rows_int8 = rows_avx512vnni_int8;
+      vnni.int8_for_8bit = true;
       out.push_back(vnni);
     }
     if (__builtin_cpu_supports("avxvnni")) {
       Kernels vnni = avx2;
       vnni.isa = "avxvnni";
       vnni.rows_int8 = rows_avxvnni_int8;
+      vnni.int8_for_8bit = true;
       out.push_back(vnni);
     }
     out.push_back(avx2);
@@ -349,7 +355,9 @@ void compute(std::vector<Problem>& ps) {
     first.xq = x16.data();
     first.xd = xd.data();
     rows = k.rows_int16;
-  } else if (s.activations == "int8" && k.rows_int8 != nullptr) {
+  } else if (
+      s.activations == "int8" && k.rows_int8 != nullptr &&
+      (first.bits == 4 || k.int8_for_8bit)) {
     // A scale per 4 values, and the groups' sums of the rounded values.
     xd_row = first.K / 4;
     xd.resize(size_t(first.M) * xd_row);
