@@ -201,6 +201,19 @@ def test_nan_and_inf_scales_reach_only_their_rows(qmm):
     assert finite[:, [0, 1, 2, 4, 6]].all().item()
 
 
+def test_two_bit_weights_under_int8_take_the_float32_kernel(qmm):
+    """The int8 kernels take 4- and 8-bit codes; 2-bit ones (the portable
+    kernel's) stay on float32 x, within its bound."""
+    wq, scales, biases = quantized(24, 128, 2, 32, mx.float16, 19)
+    x = mx.random.normal((3, 128), key=mx.random.key(20))
+    expected, _, total = reference(x, wq, scales, biases, 32, 2)
+    qmm.set_activations("int8")
+    y = qmm.quantized_matmul(x, wq, scales, biases, 32, 2)
+    mx.eval(y)
+    qmm.set_activations("float32")
+    assert_within(y, expected, 2 * 128 * FLOAT32_EPS * total + 1e-6)
+
+
 def test_unknown_activations_are_refused(qmm):
     with pytest.raises(ValueError, match="activations must be float32, int16 or int8"):
         qmm.set_activations("int4")

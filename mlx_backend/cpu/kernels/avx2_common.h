@@ -7,7 +7,6 @@
 
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "qmm.h"
 
@@ -145,12 +144,19 @@ inline void store_rows(
 
 // Room for a weight row's scales and biases as float32, rounded up to 8 (the
 // calling thread's, kept between calls; plain pointers, since a thread_local
-// reached from a loop costs a TLS lookup a row).
+// reached from a loop costs a TLS lookup a row). No std::vector: its members are
+// shared across the library's files, and one built here with AVX-512's flags
+// could be the copy that a CPU without them runs.
 inline std::pair<float*, float*> row_scale_room(int groups) {
-  thread_local std::vector<float> scale_room, bias_room;
-  scale_room.resize(groups + 8);
-  bias_room.resize(groups + 8);
-  return {scale_room.data(), bias_room.data()};
+  thread_local float* room = nullptr;
+  thread_local int capacity = 0;
+  int each = groups + 8;
+  if (2 * each > capacity) {
+    delete[] room;
+    room = new float[2 * each];
+    capacity = 2 * each;
+  }
+  return {room, room + each};
 }
 
 // tile.operator()<R>(m) over rows m..M of x: tiles of 4, then the 1 to 3 rows

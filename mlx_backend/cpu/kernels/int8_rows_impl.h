@@ -23,7 +23,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
-#include <vector>
 
 #include "avx2_common.h"
 #include "qmm.h"

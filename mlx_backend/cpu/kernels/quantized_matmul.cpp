@@ -357,7 +357,7 @@ void compute(std::vector<Problem>& ps) {
     rows = k.rows_int16;
   } else if (
       s.activations == "int8" && k.rows_int8 != nullptr &&
-      (first.bits == 4 || k.int8_for_8bit)) {
+      (first.bits == 4 || (first.bits == 8 && k.int8_for_8bit))) {
     // A scale per 4 values, and the groups' sums of the rounded values.
     xd_row = first.K / 4;
     xd.resize(size_t(first.M) * xd_row);
