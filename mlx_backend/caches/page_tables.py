@@ -137,13 +137,12 @@ class PagedStore:
 
     def layout(self, segments: Sequence[Segment]) -> tuple[StepLayout, ...]:
         """A pass's layout per group, for ``segments`` whose pages are given per
-        group (``extend``)."""
-        return tuple(
-            g.layout(
-                [Segment(s.start, s.tokens, s.context, s.pages[i]) for s in segments]
-            )
-            for i, g in enumerate(self.groups)
-        )
+        group (``extend``); the groups share its positions and segment rows."""
+        layouts: list[StepLayout] = []
+        for i, g in enumerate(self.groups):
+            own = [Segment(s.start, s.tokens, s.context, s.pages[i]) for s in segments]
+            layouts.append(g.layout(own, layouts[0] if layouts else None))
+        return tuple(layouts)
 
     def layer(self, index: int, layouts: Sequence[StepLayout]) -> PagedLayer:
         """The paged layer ``index``'s cache in a pass of ``layouts``."""
@@ -156,6 +155,8 @@ def free_behind(kv: PagedKV, table: Table, position: int) -> None:
     end = max(position, 0) // PAGE_TOKENS
     if end * PAGE_TOKENS <= table.start:
         return
-    kv.release(table.pages[:end])
-    table.pages[:end] = [HOLE] * end
+    # The pages from the one holding its first token on (those before are holes).
+    first = table.start // PAGE_TOKENS
+    kv.release(table.pages[first:end])
+    table.pages[first:end] = [HOLE] * (end - first)
     table.start = end * PAGE_TOKENS

@@ -137,9 +137,12 @@ class StepLayout:
         return int(self.positions.size)
 
 
-def make_layout(segments: Sequence[Segment], arena_pages: int) -> StepLayout:
+def make_layout(
+    segments: Sequence[Segment], arena_pages: int, like: StepLayout | None = None
+) -> StepLayout:
     """The layout of a pass over ``segments``, in the order given, for a store of
-    ``arena_pages`` pages an arena."""
+    ``arena_pages`` pages an arena; ``like``: another group's layout of the same
+    pass, whose positions and segment rows it shares."""
     positions, slots = [], []
     for s in segments:
         at = np.arange(s.context - s.tokens, s.context, dtype=np.int32)
@@ -151,12 +154,16 @@ def make_layout(segments: Sequence[Segment], arena_pages: int) -> StepLayout:
         tables[i, : len(s.pages)] = s.pages
     # A hole is never read (attention starts at its window): any page will do.
     np.maximum(tables, 0, out=tables)
-    rows = np.array([(s.start, s.tokens, s.context) for s in segments], np.int32)
+    if like is None:
+        rows = np.array([(s.start, s.tokens, s.context) for s in segments], np.int32)
+        shared = mx.array(np.concatenate(positions)), mx.array(rows)
+    else:
+        shared = like.positions, like.segment_array
     return StepLayout(
-        mx.array(np.concatenate(positions)),
+        shared[0],
         _writes(np.concatenate(slots), arena_pages),
         tuple(segments),
-        mx.array(rows),
+        shared[1],
         mx.array(tables),
     )
 
@@ -227,8 +234,10 @@ class PagedKV:
         """Bytes of the pages held."""
         return self.pages_held * self.page_nbytes
 
-    def layout(self, segments: Sequence[Segment]) -> StepLayout:
-        return make_layout(segments, self.arena_pages)
+    def layout(
+        self, segments: Sequence[Segment], like: StepLayout | None = None
+    ) -> StepLayout:
+        return make_layout(segments, self.arena_pages, like)
 
     def allocate(self, count: int) -> list[int]:
         """``count`` free pages, held once each; arenas are added when short."""
