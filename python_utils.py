@@ -83,11 +83,13 @@ class LoadOptions:
     # dequantizes when the float32 weights fit dequantize_max_bytes.
     dequantize: bool | None = None
     dequantize_max_bytes: int | None = None
-    # What the SIMD kernels multiply weights with: "float32" x (default), or x
-    # rounded per group to "int16" (logprobs move by up to 0.004) or to "int8"
-    # per 4 values (integer dot products; a mean KL of about 0.0003 on the
+    # What the SIMD kernels multiply weights with: "auto" (int8 wherever it
+    # measures faster at load, decoding and prefilling apart; the host's
+    # MLX_BACKEND_KERNEL_ACTIVATIONS may pin it), "float32" x, or x rounded per
+    # group to "int16" (logprobs move by up to 0.004) or to "int8" (integer dot
+    # products; a mean KL of about 0.0004 decoding, 0.003 prefilling, on the
     # default model), docs/cpu-kernels.md.
-    kernel_activations: str = "float32"
+    kernel_activations: str = "auto"
     # Embedding: how the final hidden states are pooled ("mean" or "last").
     embedding_pooling: str = "mean"
     # Rerank (formats/rerank.py): the form a causal-LM reranker judges documents in
@@ -342,7 +344,7 @@ def check_sampling(field: str, name: str, value: float) -> float:
 EMBEDDING_POOLINGS = ("mean", "last")
 SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
 CPU_PACING_MODES = ("auto", "on", "off")
-KERNEL_ACTIVATIONS = ("float32", "int16", "int8")
+KERNEL_ACTIVATIONS = ("auto", "float32", "int16", "int8")
 DISTRIBUTED_BACKENDS = ("ring", "jaccl", "mpi")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # Proposed tokens one step may verify, at most (LoadModel option and NDraft).

@@ -49,13 +49,10 @@
    (float32 and int8 activations) against the float32 path and MLX's own quantized
    kernel: decode at 1, 8 and 16 streams, prefill, peak memory, the bytes read per
    step; and a random 1B-class 4-bit llama on the kernels against MLX's.
-13. CPU decode step (bench/cpu_step.py; Linux CPU): the fused primitives (norms,
-   RoPE, attention, SwiGLU and logsumexp as one node each, sibling projections as
-   one kernel call)
-   on and off: graph nodes, host and evaluation ms of a step, decode tok/s
-   in-process, and on two servers 1, 8 and 16 streams and prefill (1000 and 4096
-   tokens); llama.cpp on the same GGUF and threads as a column (built once from
-   its sdist, bench/llama_cpp.py).
+13. CPU decode and prefill (bench/cpu_step.py; Linux CPU): the kernels with
+   float32 and with int8 activations, llama.cpp and ik_llama.cpp on the same GGUF
+   and threads (bench/llama_cpp.py, bench/ik_llama.py): decode in-process and at 1,
+   8 and 16 streams, pp512 and pp4096, the linears' GB/s, int8's KL and perplexity.
 14. Rerank (bench/rerank.py): documents per second for 100 documents of ~200 tokens
    against one query on a yes/no reranker, the judging prompt and the query shared
    through the prompt cache against no prompt cache.

@@ -32,7 +32,7 @@ MIB = 2**20
 STREAMS = (8, 16)
 # The paths, as LoadModel options and environment, in the order they run.
 PATHS = {
-    "kernels": ((), {}),
+    "kernels": (("kernel_activations:float32",), {}),
     "kernels_int16": (("kernel_activations:int16",), {}),
     "kernels_int8": (("kernel_activations:int8",), {}),
     "float32": (("dequantize:true",), {}),

@@ -1,173 +1,211 @@
-"""Part 13 of ``make bench`` (Linux CPU): the decode step's anatomy with the fused
-primitives (norms, RoPE, attention, SwiGLU and logsumexp as one node each, sibling
-projections as one kernel call) on and off, side by side: graph nodes per step, host and evaluation
-milliseconds of one synchronous step, in-process decode tok/s; then two servers,
-one with ``MLX_BACKEND_CPU_FAST_OPS=off``, in alternating rounds: 1-stream decode,
-8 and 16 streams, and prefill of a 1000- and a 4096-token prompt, with llama.cpp
-on the same GGUF and threads after them in each round (``bench/llama_cpp.py``).
-The header names the CPU's instruction sets.
+"""Part 13 of ``make bench`` (Linux CPU): decode and prefill on the SIMD kernels
+with float32 activations and with int8 ones, beside llama.cpp and ik_llama.cpp
+on the same GGUF and threads (``bench/llama_cpp.py``, ``bench/ik_llama.py``), in
+alternating rounds. Columns: decode tok/s in-process and through a server at 1,
+8 and 16 streams, prefill of 512 and 4096 tokens, the linears' GB/s (a decode
+step's quantized products alone, back to back), and the int8 side's mean KL
+divergence and perplexity change from float32 over a fixed text of 2,048 tokens,
+read in chunks of 256 (a server's prefill: the int8 GEMM) and of 16 (the row
+kernels). The header names the CPU and its instruction sets.
 """
 
-import collections
 import logging
-import os
+import math
 import re
 import statistics
-import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench import llama_cpp
+from bench import ik_llama, llama_cpp
 from bench.batching import grpc_stream, run_level
 from bench.cpu_kernels import library_tps
 from bench.cpu_paths import long_prompt, server_prefill
 from bench.overhead import server_decode
 from mlx_backend.cpu.compute_path import prepare_for_cpu
 from mlx_backend.cpu.kernels import (
-    FAST_OPS_ENV,
+    KernelQuantizedEmbedding,
+    KernelQuantizedLinear,
+    KernelSiblingLinear,
     load_kernels,
     match_blas_threads,
-    set_shared_inputs,
     use_kernels,
 )
-from mlx_backend.cpu.kernels.fast_ops import mlx_fast_ops, route_fast_ops
+from mlx_backend.cpu.kernels.fast_ops import route_fast_ops
 from mlx_backend.models.loading import default_model_path, load_model
 
 logger = logging.getLogger(__name__)
 
+SIDES = ("float32", "int8")
+REFERENCES = ("llama.cpp", "ik_llama.cpp")
 STREAMS = (8, 16)
-SIDES = ("on", "off")
-CONTEXT = 64
-# Prefilled prompts' lengths: the 1000 that part 12 uses, and a ~4k prompt (the
-# length of llama.cpp's pp4096).
-PROMPTS = {"prefill": 1000, "prefill_long": 4096}
-KEYS = ("decode", *PROMPTS, *STREAMS)
+PROMPTS = {"pp512": 512, "pp4096": 4096}
+KEYS = ("decode", "server", *STREAMS, *PROMPTS)
 # About the tokens of the batch levels' chat prompts, for llama-batched-bench.
 BATCH_PROMPT = 32
+# The fixed text of the divergence columns: Python's own reference prose (the
+# same text wherever this Python runs), cut to KL_TOKENS tokens.
+KL_TOPICS = ("execmodel", "exceptions", "naming", "truth", "numbers", "typesseq")
+KL_TOKENS = 2048
+KL_CHUNKS = (256, 16)
 
 
 def cpu_flags() -> str:
     """The instruction sets this CPU reports that the kernels could use."""
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "neon")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
+    text = cpuinfo()
     found = set(re.findall(r"\b[\w]+\b", text.split("flags", 1)[-1].split("\n", 1)[0]))
     return ", ".join(flag for flag in wanted if flag in found) or "none of AVX2/NEON"
 
 
-def graph_nodes(output: mx.array) -> collections.Counter:
-    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, output)
-        text = Path(dot.name).read_text()
-    return collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z]+)', text))
+def cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
-def step_anatomy(model, steps: int = 30) -> dict:
-    """One decode step at a CONTEXT-token context: its nodes, and the host and
-    evaluation milliseconds of a synchronous step (medians)."""
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([list(range(1, CONTEXT + 1))]), cache=cache))
-    token = mx.array([[5]])
-    nodes = graph_nodes(model(token, cache=cache))
-    host, evaluation = [], []
-    for _ in range(steps):
+def cpu_name() -> str:
+    found = re.search(r"model name\s*:\s*(.+)", cpuinfo())
+    return found.group(1).strip() if found else "unknown CPU"
+
+
+def kl_ids(tokenizer) -> list[int]:
+    """KL_TOKENS tokens of the fixed text."""
+    ids = []
+    for name in KL_TOPICS:
+        ids += tokenizer.encode(topics[name] + "\n\n")
+        if len(ids) >= KL_TOKENS:
+            return ids[:KL_TOKENS]
+    raise ValueError(f"the KL text has {len(ids)} tokens, fewer than {KL_TOKENS}")
+
+
+def next_token_logprobs(model, ids: list[int], chunk: int) -> np.ndarray:
+    """Each position's next-token log-probabilities, the text read ``chunk``
+    tokens a pass."""
+    cache, rows = make_prompt_cache(model), []
+    for i in range(0, len(ids), chunk):
+        logits = model(mx.array(ids[i : i + chunk])[None], cache=cache)[0]
+        rows.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        mx.eval(rows[-1])
+    return np.array(mx.concatenate(rows))
+
+
+def divergence(model, qmm, ids: list[int], chunk: int) -> dict:
+    """int8's mean KL divergence from float32's next-token distributions, and
+    its perplexity over float32's, minus one."""
+    logprobs = {}
+    for name in SIDES:
+        qmm.set_activations(name)
+        logprobs[name] = next_token_logprobs(model, ids, chunk)
+    exact, rounded = logprobs["float32"], logprobs["int8"]
+    kl = (np.exp(exact) * (exact - rounded)).sum(axis=-1)[:-1]
+    taken = np.arange(len(ids) - 1), np.array(ids[1:])
+    nll = [-x[:-1][taken].mean() for x in (exact, rounded)]
+    return {"kl": float(kl.mean()), "ppl": math.exp(nll[1] - nll[0]) - 1}
+
+
+def decode_products(model) -> tuple[list, int]:
+    """Thunks of a decode step's quantized products (siblings in one call, as
+    the model runs them) on one row of x, and the bytes they read."""
+    products, nbytes = [], 0
+    for _, module in model.named_modules():
+        if isinstance(module, KernelSiblingLinear):
+            if module.sibling_index:
+                continue
+            layers = module.shared_input.layers
+        elif isinstance(module, (KernelQuantizedLinear, KernelQuantizedEmbedding)):
+            layers = [module]
+        else:
+            continue
+        first = layers[0]
+        x = mx.random.normal((1, first["weight"].shape[1] * 32 // first.bits))
+        parts = [[m[k] for m in layers] for k in ("weight", "scales", "biases")]
+        nbytes += sum(a.nbytes for group in parts for a in group)
+        products.append((x, parts, first.group_size, first.bits))
+    return products, nbytes
+
+
+def linears_gbps(qmm, products, nbytes: int, repeats: int = 20) -> float:
+    """The products back to back in one evaluation, at their best of
+    ``repeats``: the bytes they read over the time."""
+    best = float("inf")
+    for _ in range(repeats):
         start = time.perf_counter()
-        logits = model(token, cache=cache)
-        built = time.perf_counter()
-        mx.eval(logits)
-        host.append(built - start)
-        evaluation.append(time.perf_counter() - built)
-        # Back to the same context: every step measures the same work.
-        for layer in cache:
-            layer.trim(1)
-    return {
-        "nodes": sum(nodes.values()),
-        "nodes_per_layer": sum(nodes.values()) / len(model.layers),
-        "host_ms": statistics.median(host) * 1e3,
-        "eval_ms": statistics.median(evaluation) * 1e3,
-        "top_nodes": nodes.most_common(8),
-    }
+        mx.eval([qmm.quantized_matmuls(x, *parts, g, b) for x, parts, g, b in products])
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
-def side(model, on: bool):
-    """The fused primitives on or off, for the block."""
-    set_shared_inputs(model, on)
-    return nullcontext() if on else mlx_fast_ops()
-
-
-def bench_in_process(rounds: int, tokens: int) -> dict:
+def bench_in_process(qmm, rounds: int, tokens: int) -> dict:
     loaded = load_model(str(default_model_path()))
     mx.eval(loaded.model.parameters())
     model, _ = prepare_for_cpu(loaded.model, None, None)
     use_kernels(model)
     match_blas_threads(0)
     route_fast_ops()
-    runs = {name: [] for name in SIDES}
+    products, nbytes = decode_products(model)
+    mx.eval([x for x, *_ in products])
+    runs = {name: {"decode": [], "gbps": []} for name in SIDES}
+    runs["bandwidth"] = []
     for i in range(rounds):
+        runs["bandwidth"].append(qmm.read_bandwidth())
         for name in SIDES:
-            logger.info("cpu step: in-process, fused %s, round %d", name, i + 1)
-            with side(model, name == "on"):
-                anatomy = step_anatomy(model)
-                anatomy["decode_tps"] = library_tps(model, tokens)
-            runs[name].append(anatomy)
-    set_shared_inputs(model, True)
+            logger.info("cpu step: in-process, %s, round %d", name, i + 1)
+            qmm.set_activations(name)
+            runs[name]["gbps"].append(linears_gbps(qmm, products, nbytes))
+            runs[name]["decode"].append(library_tps(model, tokens))
+    ids = kl_ids(loaded.tokenizer)
+    runs["divergence"] = {c: divergence(model, qmm, ids, c) for c in KL_CHUNKS}
+    runs["linear_mb"] = nbytes / 1e6
+    qmm.set_activations("float32")
     return runs
 
 
 def bench_servers(
-    running_process, rounds: int, tokens: int, batch_tokens: int, llama
+    running_process, rounds: int, tokens: int, batch_tokens: int, references: dict
 ) -> dict:
-    """The two servers' figures, and llama.cpp's (``llama``: its tools, or None)
-    after them in each round."""
+    """The two servers' figures, and the references' (their tools) after them in
+    each round."""
     eos = 2
-    names = SIDES + (("llama.cpp",) if llama else ())
-    runs = {name: {key: [] for key in KEYS} for name in names}
-    environments = {"on": None, "off": {**os.environ, FAST_OPS_ENV: "off"}}
-    with running_process(environments["on"]) as on, running_process(
-        environments["off"]
-    ) as off:
-        servers = {"on": on.stub, "off": off.stub}
+    runs = {name: {key: [] for key in KEYS} for name in SIDES + tuple(references)}
+    options = {name: (f"kernel_activations:{name}",) for name in SIDES}
+    with running_process(options=options["float32"]) as plain, running_process(
+        options=options["int8"]
+    ) as rounded:
+        servers = {"float32": plain.stub, "int8": rounded.stub}
         for stub in servers.values():
             server_decode(stub, 8, eos)  # warm
         for i in range(rounds):
             for name in SIDES:
-                logger.info("cpu step: server, fused %s, round %d", name, i + 1)
-                stub = servers[name]
-                r = runs[name]
+                logger.info("cpu step: server, %s, round %d", name, i + 1)
+                stub, r = servers[name], runs[name]
                 for key, length in PROMPTS.items():
-                    prompt = long_prompt(stub, 2 * i + (name == "off"), length)
+                    prompt = long_prompt(stub, 2 * i + (name == "int8"), length)
                     r[key].append(server_prefill(stub, prompt)["prefill_tps"])
-                r["decode"].append(server_decode(stub, tokens, eos)["decode_tps"])
+                r["server"].append(server_decode(stub, tokens, eos)["decode_tps"])
                 for n in STREAMS:
                     level = run_level(
                         lambda p: grpc_stream(stub, p, batch_tokens, eos), n, i
                     )
                     r[n].append(level["throughput_tps"])
-            if llama:
-                logger.info("cpu step: llama.cpp, round %d", i + 1)
-                r = runs["llama.cpp"]
+            for name, tools in references.items():
+                logger.info("cpu step: %s, round %d", name, i + 1)
+                r = runs[name]
                 for key, length in PROMPTS.items():
-                    r[key].append(llama.bench(length, 0))
-                r["decode"].append(llama.bench(0, tokens))
+                    r[key].append(tools.bench(length, 0))
+                r["decode"].append(tools.bench(0, tokens))
                 for n in STREAMS:
-                    r[n].append(llama.batched(n, BATCH_PROMPT, batch_tokens))
+                    r[n].append(tools.batched(n, BATCH_PROMPT, batch_tokens))
     return runs
 
 
-def worst(values, higher_is_better: bool = True) -> float:
-    return min(values) if higher_is_better else max(values)
-
-
-def ratio(values, reference, higher: bool = True) -> float:
-    """Worst run over the reference's worst run (nan without a reference)."""
-    base = worst(reference, higher)
-    return worst(values, higher) / base if base else float("nan")
+def worst(values) -> float:
+    return min(values) if values else float("nan")
 
 
 def bench_cpu_step(
@@ -175,83 +213,78 @@ def bench_cpu_step(
 ) -> tuple[dict, list[str]]:
     qmm, why = load_kernels()
     if qmm is None:
-        return {"skipped": why}, [f"13. CPU decode step: skipped ({why})"]
-    llama = llama_cpp.build(str(default_model_path()), qmm.settings()["threads"])
-    if isinstance(llama, str):
-        llama_skipped, llama = llama, None
-        logger.warning("cpu step: no llama.cpp column: %s", llama_skipped)
-    library = bench_in_process(rounds, tokens)
-    servers = bench_servers(running_process, rounds, tokens, batch_tokens, llama)
-    rows = []
-
-    def text(xs, fmt):
-        return " / ".join(fmt.format(x) for x in xs)
-
-    def row(label, values: dict, fmt="{:.1f}", higher=True, reference=None):
-        on, off = values["on"], values["off"]
-        against_off = ratio(on, off, higher)
-        cells = [text(on, fmt), text(off, fmt), f"{against_off:.2f}x"]
-        if reference:
-            cells += [text(reference, fmt), f"{ratio(on, reference, higher):.2f}x"]
-        elif llama:
-            cells += ["", ""]
-        rows.append("| " + " | ".join([label, *cells]) + " |")
-        return against_off
-
-    def values(source, key):
-        return {name: [r[key] for r in source[name]] for name in SIDES}
-
-    reference = servers.get("llama.cpp", {})
-    report = {"library": library, "servers": servers}
-    row("graph nodes per step", values(library, "nodes"), "{:.0f}", higher=False)
-    row("graph nodes per layer", values(library, "nodes_per_layer"), higher=False)
-    row("host ms per step (synchronous)", values(library, "host_ms"), higher=False)
-    row("evaluation ms per step", values(library, "eval_ms"), higher=False)
-    report["decode_ratio"] = row(
-        "decode tok/s, in-process",
-        values(library, "decode_tps"),
-        reference=reference.get("decode"),
-    )
-    labels = {
-        "decode": "server decode tok/s, 1 stream",
-        **{n: f"server tok/s, {n} streams" for n in STREAMS},
-        **{k: f"server prefill tok/s, {n}-token prompt" for k, n in PROMPTS.items()},
+        return {"skipped": why}, [f"13. CPU decode and prefill: skipped ({why})"]
+    model_path, threads = str(default_model_path()), qmm.settings()["threads"]
+    references, skipped = {}, {}
+    for name, module in (("llama.cpp", llama_cpp), ("ik_llama.cpp", ik_llama)):
+        tools = module.build(model_path, threads)
+        if isinstance(tools, str):
+            skipped[name] = tools
+            logger.warning("cpu step: no %s row: %s", name, tools)
+        else:
+            references[name] = tools
+    library = bench_in_process(qmm, rounds, tokens)
+    servers = bench_servers(running_process, rounds, tokens, batch_tokens, references)
+    for name in SIDES:
+        servers[name].update(library[name])
+    report = {
+        "runs": servers,
+        "divergence": library["divergence"],
+        "read_bandwidth": library["bandwidth"],
     }
-    for key, label in labels.items():
-        report[f"{key}_ratio"] = row(
-            label,
-            {name: servers[name][key] for name in SIDES},
-            reference=reference.get(key),
-        )
-    header = "| | on | off | on / off |"
-    if llama:
-        header += " llama.cpp | on / llama.cpp |"
+
+    def cells(values: list, fmt: str = "{:.1f}") -> str:
+        return " / ".join(fmt.format(v) for v in values) if values else ""
+
+    columns = ("decode", "server", *STREAMS, *PROMPTS)
+    header = (
+        "| | decode in-process | server, 1 stream | 8 streams | 16 streams | pp512"
+        " | pp4096 | linears GB/s | mean KL | Δ perplexity |"
+    )
+    rows = []
+    for name in SIDES + tuple(references):
+        r = servers[name]
+        row = [name, *(cells(r[key], "{:.0f}" if key in PROMPTS else "{:.1f}")
+                       for key in columns)]  # fmt: skip
+        row.append(cells(r.get("gbps", []), "{:.1f}"))
+        if name == "int8":
+            div = library["divergence"]
+            row.append(" / ".join(f"{div[c]['kl']:.5f}" for c in KL_CHUNKS))
+            row.append(" / ".join(f"{100 * div[c]['ppl']:+.2f}%" for c in KL_CHUNKS))
+        else:
+            row += ["", ""]
+        rows.append("| " + " | ".join(row) + " |")
+    ratios = {}
+    for over in ("float32", *references):
+        key = f"int8 / {over}"
+        ratios[key] = {
+            c: worst(servers["int8"][c]) / worst(servers[over][c])
+            for c in columns
+            if servers[over][c] and servers["int8"][c]
+        }
+        cells_ = [f"{ratios[key][c]:.2f}x" if c in ratios[key] else "" for c in columns]
+        rows.append("| " + " | ".join([key, *cells_, "", "", ""]) + " |")
+    report["ratios"] = ratios
+    settings = qmm.settings()
     lines = [
-        "13. CPU decode step (bench/cpu_step.py): the fused primitives on / off,"
-        " and llama.cpp",
-        f"    CPU instruction sets: {cpu_flags()}; kernels {qmm.settings()['isa']},"
-        f" fused rows {qmm.fused_isa()}, {qmm.settings()['threads']} threads",
-        f"    every run listed (rounds alternate); ratios are of the worst runs;"
-        f" context {CONTEXT} for the step's anatomy",
-        (
-            f"    llama.cpp ({llama_cpp.SDIST}, GGML_NATIVE) on the same GGUF and"
-            f" threads: llama-bench tg{tokens} and pp1000 / pp4096,"
-            f" llama-batched-bench at {BATCH_PROMPT}-token prompts"
-            f" and {batch_tokens} tokens, prefill included"
-            if llama
-            else f"    llama.cpp: skipped ({llama_skipped})"
-        ),
+        "13. CPU decode and prefill (bench/cpu_step.py): the kernels with float32"
+        " and int8 activations, llama.cpp and ik_llama.cpp",
+        f"    {cpu_name()}; instruction sets: {cpu_flags()}; int8 kernels"
+        f" {settings['isa']}, {threads} threads; every run listed (rounds alternate);"
+        " ratios are of the worst runs",
+        f"    llama.cpp ({llama_cpp.SDIST}) and ik_llama.cpp (its repository's"
+        f" snapshot) on the same GGUF and threads: llama-bench tg{tokens} and"
+        f" pp512 / pp4096, llama-batched-bench at {BATCH_PROMPT}-token prompts and"
+        f" {batch_tokens} tokens a stream, prefill included (as the servers' levels)",
+        *(f"    {name}: skipped ({why})" for name, why in skipped.items()),
+        f"    linears: a decode step's {library['linear_mb']:.1f} MB of quantized"
+        f" products back to back, against the kernels' threads reading memory at"
+        f" {cells(library['bandwidth'])} GB/s (qmm.read_bandwidth); KL and perplexity: int8 against float32 over"
+        f" {KL_TOKENS} tokens of Python's reference prose, in chunks of "
+        + " / ".join(str(c) for c in KL_CHUNKS),
         "",
         header,
         "|---" * (header.count("|") - 1) + "|",
         *rows,
-        "",
-        "    largest node kinds, on: "
-        + ", ".join(f"{k} {v}" for k, v in library["on"][0]["top_nodes"]),
-        "    largest node kinds, off: "
-        + ", ".join(f"{k} {v}" for k, v in library["off"][0]["top_nodes"]),
     ]
-    for name in SIDES:
-        for r in library[name]:
-            r.pop("top_nodes", None)
     return report, lines

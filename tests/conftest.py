@@ -24,6 +24,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import backend_pb2 as pb
+from mlx_backend.cpu.activations import ACTIVATIONS_ENV
 from mlx_backend.cpu.blas import BLAS_THREAD_ENV, physical_cores
 from mlx_backend.cpu.kernels import load_kernels
 from mlx_backend.cpu.pacing import CPU_PACING_ENV
@@ -44,6 +45,10 @@ def pytest_configure(config):
     # load: the host setting pins it (greedy tokens are the same either way). Pacing
     # tests ask for auto; bench/, which imports tests/support.py, measures.
     os.environ.setdefault(CPU_PACING_ENV, "off")
+    # Nor the kernels' activations: float32 pins the logprobs that the tests compare
+    # with mlx-lm's (int8 moves them a little, near ties may part); the int8 tests
+    # ask for it, and the choice's own tests for auto.
+    os.environ.setdefault(ACTIVATIONS_ENV, "float32")
     # xdist's workers split the cores: BLAS threads beyond a worker's share spin
     # against the other worker's (make test on 2 cores: 8m24s, 6m48s split).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import get_total_parameters
 
+from mlx_backend.cpu.activations import choose_activations
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_memory
 from mlx_backend.cpu.kernels import kernel_settings, load_kernels, runs_on_kernels
 from mlx_backend.switches import switched_off
@@ -83,14 +84,15 @@ def prepare_for_cpu(
     dequantize: bool | None,
     max_bytes: int | None,
     kernels: bool = True,
-    activations: str = "float32",
+    activations: str | None = "float32",
 ) -> tuple[nn.Module, ComputePath]:
     """Pick the fastest correct weight layout for the CPU device.
 
     Quantized weights stay quantized and run on the SIMD kernels (``cpu/kernels``)
     unless ``dequantize`` is true or ``kernels`` is false; ``activations`` is what
-    they multiply the weights with (float32, or x rounded to int16 or int8). Without
-    the kernels, MLX's
+    they multiply the weights with (float32, or x rounded to int16 or int8; auto:
+    chosen by measurement, ``cpu/activations.py``; None: as already set, for a
+    draft model beside the model). Without the kernels, MLX's
     quantized CPU kernels cost the same per row at any batch size, while a float32
     matmul through a fast BLAS is several times faster for one row and far faster
     for many; so quantized weights are dequantized when they fit the budget.
@@ -115,13 +117,18 @@ def prepare_for_cpu(
         no_kernels = "no layer in a format they take"
     if not dequantize and not no_kernels:
         qmm = load_kernels()[0]
-        qmm.set_activations(activations)
         # A prompt's many rows go to sgemm tiles only on a fast BLAS: MLX's bundled
         # reference sgemm is far slower than the row kernel.
         qmm.use_sgemm(fast)
+        if activations is not None:
+            chosen = choose_activations(qmm, model, activations, os.environ)
+            kernel_activations = chosen.describe()
+        else:
+            kernel_activations = f"{qmm.settings()['activations']} activations"
         settings = kernel_settings()
         return model, ComputePath(
-            f"CPU, {blas_text}, quantized weights on {settings.describe()}",
+            f"CPU, {blas_text}, quantized weights on SIMD kernels ({settings.isa}, "
+            f"{settings.threads} threads, {kernel_activations})",
             fast,
             kernel_isa=settings.isa,
             kernel_threads=settings.threads,

@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlx_backend.decoders.base import thread_stream
 from mlx_backend.decoders.measured import measured_once
-from mlx_backend.errors import FailedPrecondition
+from mlx_backend.switches import host_setting
 from mlx_utils import make_kv_cache, unbatchable_reason
 from python_utils import CPU_PACING_MODES, LoadOptions
 
@@ -78,15 +78,7 @@ class Pacing:
 def pacing_setting(option: str, environ) -> tuple[str, str]:
     """The pacing mode and what set it: the option when it says on or off, else
     the host's ``MLX_BACKEND_CPU_PACING``, else ``auto``."""
-    if option != "auto":
-        return option, f"cpu_pacing:{option}"
-    host = environ.get(CPU_PACING_ENV, "").strip().lower() or "auto"
-    if host not in CPU_PACING_MODES:
-        raise FailedPrecondition(
-            f"{CPU_PACING_ENV} must be one of {', '.join(CPU_PACING_MODES)}, "
-            f"not {host!r}"
-        )
-    return host, "auto" if host == "auto" else f"{CPU_PACING_ENV}={host}"
+    return host_setting(option, "cpu_pacing", environ, CPU_PACING_ENV, CPU_PACING_MODES)
 
 
 def choose_pacing(option: str, rounds: Sequence[tuple[float, float]] = ()) -> Pacing:

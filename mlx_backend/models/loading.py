@@ -285,11 +285,9 @@ def load_draft(
             f"model's ({len(ours)} tokens; {differing} entries differ)"
         )
     mx.eval(draft.model.parameters())
+    # The kernels' activations are the process's: the model's choice stands.
     model, path = prepare_for_cpu(
-        draft.model,
-        options.dequantize,
-        options.dequantize_max_bytes,
-        activations=options.kernel_activations,
+        draft.model, options.dequantize, options.dequantize_max_bytes, activations=None
     )
     if path.kernel_isa:
         use_kernels(model)

@@ -121,7 +121,8 @@ def test_the_engine_serves_on_the_kernels_and_reports_them():
 
 
 # A fixed text for the next-token distributions (the default model's own
-# domain: plain English); chunks of 16 tokens stay on the row kernels.
+# domain: plain English); chunks of 16 tokens stay on the row kernels (x scaled
+# per 4 values), chunks of 36 take the GEMM (per 32).
 KL_TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, and every evening "
     "the keeper climbed its ninety steps to light the lamp. Ships passed far out "
@@ -129,27 +130,28 @@ KL_TEXT = (
     "near. In winter the storms came from the west, and the waves broke over the "
     "rocks so hard that the whole tower shook."
 )
-CHUNK = 16
+CHUNKS = (16, 36)
 
 
 def test_int8_activations_keep_the_next_token_distributions():
-    """x rounded to int8 (a scale per 4 values, the biases meeting the rounded
-    sums): over a fixed text the mean KL divergence from the float32 kernels'
+    """x rounded to int8 (a scale per 4 values on the row kernels, per 32 on the
+    GEMM, the biases meeting the rounded sums): over a fixed text, read in
+    chunks that take either, the mean KL divergence from the float32 kernels'
     next-token distributions stays within 0.005 and the perplexity within 0.5%,
     as llama.cpp's --kl-divergence judges quantized inference; the load option
     says so, and greedy decodes of PROMPTS (a batch of 8) keep the float32
     kernels' tokens up to a near tie (their best two within NEAR_TIE)."""
     engine = load_engine("kernel_activations:int8")
 
-    def logprobs(model, options):
+    def logprobs(model, options, chunk):
         qmm, _ = kernels.load_kernels()
         ids = engine.info.tokenizer.encode(KL_TEXT)
         out = {}
         for activations in ("float32", "int8"):
             qmm.set_activations(activations)
             cache, rows = make_kv_cache(model, options), []
-            for i in range(0, len(ids), CHUNK):
-                logits = model(mx.array(ids[i : i + CHUNK])[None], cache=cache)[0]
+            for i in range(0, len(ids), chunk):
+                logits = model(mx.array(ids[i : i + chunk])[None], cache=cache)[0]
                 rows.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
                 mx.eval(rows[-1])
             out[activations] = np.array(mx.concatenate(rows))
@@ -158,13 +160,18 @@ def test_int8_activations_keep_the_next_token_distributions():
 
     try:
         assert "int8 activations" in engine.info.compute_path.description
-        ids, exact, rounded = on_engine_thread(engine, logprobs)
-        assert len(ids) > 4 * CHUNK
-        kl = (np.exp(exact) * (exact - rounded)).sum(axis=-1)[:-1]
-        assert 0 < kl.mean() <= 0.005
-        taken = np.arange(len(ids) - 1), np.array(ids[1:])
-        nll = [-x[:-1][taken].mean() for x in (exact, rounded)]
-        assert math.exp(nll[1] - nll[0]) <= 1.005
+        for chunk in CHUNKS:
+            ids, exact, rounded = on_engine_thread(
+                engine, lambda model, options: logprobs(model, options, chunk)
+            )
+            # Every chunk, the last one too, on the kernel its size names.
+            last = len(ids) % chunk or chunk
+            assert len(ids) > 4 * CHUNKS[0] and (last > 32) == (chunk > 32)
+            kl = (np.exp(exact) * (exact - rounded)).sum(axis=-1)[:-1]
+            assert 0 < kl.mean() <= 0.005, chunk
+            taken = np.arange(len(ids) - 1), np.array(ids[1:])
+            nll = [-x[:-1][taken].mean() for x in (exact, rounded)]
+            assert math.exp(nll[1] - nll[0]) <= 1.005, chunk
         prompts = [chat_prompt(engine, q) for q in PROMPTS]
         qmm, _ = kernels.load_kernels()
         decodes = {}

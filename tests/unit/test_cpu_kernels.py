@@ -58,16 +58,18 @@ def rounding_bound(x, wq, scales, group_size, bits, top):
     return (step / 2) @ per_group.T
 
 
-def int8_bound(x, wq, scales, biases, group_size, bits):
-    """The most that rounding x to int8 can move each output: each 4 values in
-    the kernels' order (a 4-bit block's even values, then its odd ones) share a
-    step of their largest / 127, and the biases meet the rounded sums, so an
-    output moves by at most half a step times each |dequantized weight|."""
+def int8_bound(x, wq, scales, biases, group_size, bits, block=4):
+    """The most that rounding x to int8 can move each output: each ``block``
+    values in the kernels' order (a 4-bit block's even values, then its odd
+    ones) share a step of their largest / 127 (4 on the row kernels, 32 on the
+    GEMM), and the biases meet the rounded sums, so an output moves by at most
+    half a step times each |dequantized weight|."""
     rows, k = x.shape
     blocks = mx.abs(x.astype(mx.float32)).reshape(rows, k // 32, 32)
     if bits == 4:
         blocks = mx.concatenate([blocks[..., ::2], blocks[..., 1::2]], axis=-1)
-    step = mx.repeat(blocks.reshape(rows, k // 32, 8, 4).max(axis=-1) / 127, 4, -1)
+    per = blocks.reshape(rows, k // 32, 32 // block, block).max(axis=-1) / 127
+    step = mx.repeat(per, block, -1)
     if bits == 4:
         step = mx.stack([step[..., :16], step[..., 16:]], axis=-1)
     w = mx.dequantize(
@@ -89,20 +91,22 @@ def assert_within(y, expected, bound):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
-    """Random shapes (odd output counts, several groups) at 1, 2, 7, 32 and 300
-    rows, on each instruction set, with float32, int16 and int8 activations (the
-    int8 kernels on each set's dot product). Float32 accumulation of K products
-    stays within K * eps of the sum of their magnitudes (x2: the dequantized
-    reference rounds too); int16 adds at most rounding_bound, int8 int8_bound."""
+    """Random shapes (odd output counts, several groups) at 1, 2, 7, 32, 33 and
+    300 rows, on each instruction set, with float32, int16 and int8 activations
+    (the int8 kernels on each set's dot product: the row kernels up to the row
+    limit, the GEMM past it). Float32 accumulation of K products stays within K *
+    eps of the sum of their magnitudes (x2: the dequantized reference rounds
+    too); int16 adds at most rounding_bound, int8 int8_bound."""
     seed = bits * 1000 + group_size + {mx.float16: 1, mx.bfloat16: 2}.get(dtype, 3)
     n, k = 37 + seed % 50, group_size * (2 + seed % 5)
     wq, scales, biases = quantized(n, k, bits, group_size, dtype, seed)
-    for rows in (1, 2, 7, 32, 300):
+    for rows in (1, 2, 7, 32, 33, 300):
         x = mx.random.normal((rows, k), key=mx.random.key(seed + rows))
         expected, magnitude, total = reference(x, wq, scales, biases, group_size, bits)
         float_bound = 2 * k * FLOAT32_EPS * total + 1e-6
-        # The row kernels run up to the row limit; more rows go to sgemm tiles,
-        # or without a fast BLAS to the row kernels in blocks of the limit.
+        # The row kernels run up to the row limit; more rows go to the int8 GEMM
+        # under int8, else to sgemm tiles, or without a fast BLAS to the row
+        # kernels in blocks of the limit.
         many = rows > qmm.settings()["rows_limit"]
         for isa, sgemm in product(qmm.isas(), (True, False) if many else (True,)):
             qmm.set_isa(isa)
@@ -115,9 +119,12 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
                 assert y.shape == (rows, n) and y.dtype == mx.float32
                 bound = float_bound
                 used = qmm.settings()["activations"]
-                if used != "float32" and (not many or not qmm.settings()["sgemm"]):
+                rounded = not many or not qmm.settings()["sgemm"]
+                if used == "int8" or (used == "int16" and rounded):
                     if used == "int8":
-                        extra = int8_bound(x, wq, scales, biases, group_size, bits)
+                        extra = int8_bound(
+                            x, wq, scales, biases, group_size, bits, 32 if many else 4
+                        )
                     else:
                         extra = rounding_bound(x, wq, scales, group_size, bits, 32767)
                     bound = bound + extra
@@ -125,6 +132,35 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
     qmm.set_isa("auto")
     qmm.use_sgemm(True)
     qmm.set_activations("float32")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_gemm_matches_the_portable_arithmetic(qmm, bits):
+    """Past the row limit, int8 products take the GEMM: on each instruction set
+    it gives the portable kernel's sums on the same rounded x (x_block 32) within
+    float32 rounding, over weight rows that leave a part panel (not a multiple of
+    16), rows of x that leave a part tile, several groups of f16 scales, and an
+    x whose blocks' scales differ by 10^4 (a wrong block scale or a dropped
+    bias term moves outputs by far more)."""
+    n, k, group_size = 53, 64 * 5, 64
+    wq, scales, biases = quantized(n, k, bits, group_size, mx.float16, 21)
+    x = mx.random.normal((41, k), key=mx.random.key(22))
+    x = x * mx.repeat(mx.array([1e-2, 1.0, 1e2, 0.5, 3.0] * 2), 32)
+    _, _, total = reference(x, wq, scales, biases, group_size, bits)
+    qmm.set_activations("int8")
+    products = {}
+    for isa in qmm.isas():
+        qmm.set_isa(isa)
+        products[isa] = qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
+        mx.eval(products[isa])
+    qmm.set_isa("auto")
+    qmm.set_activations("float32")
+    portable = products.pop("portable")
+    assert not mx.array_equal(portable, reference(x, wq, scales, biases, 64, bits)[0])
+    for isa, y in products.items():
+        if bits == 8 and isa == "avx2":
+            continue  # 8-bit codes stay on float32 there (maddubs saturates).
+        assert_within(y, portable, 2 * k * FLOAT32_EPS * total + 1e-6)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -56,6 +56,7 @@ NB_MODULE(_qmm, m) {
     d["rows_limit"] = s.rows_limit;
     d["sgemm"] = s.sgemm;
     d["activations"] = s.activations;
+    d["prefill_activations"] = s.prefill_activations;
     return d;
   });
   m.def("set_threads", &qmm::set_threads, "threads"_a);
@@ -65,10 +66,23 @@ NB_MODULE(_qmm, m) {
       "runs"_a,
       nb::call_guard<nb::gil_scoped_release>(),
       "Runs the worker pool `runs` times: the tasks run other than once.");
+  m.def(
+      "read_bandwidth",
+      &qmm::read_bandwidth,
+      "megabytes"_a = 256,
+      "repeats"_a = 5,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "GB/s the kernels' threads read memory at.");
   m.def("use_sgemm", &qmm::use_sgemm, "use"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("isas", &qmm::isas);
-  m.def("set_activations", &qmm::set_activations, "activations"_a);
+  m.def(
+      "set_activations",
+      &qmm::set_activations,
+      "activations"_a,
+      "prefill"_a = "",
+      "What x meets the weights as: up to the row limit, and past it (\"\": the "
+      "same).");
 
   // MLX's fast operations as single CPU primitives (mx.fast's signatures).
   m.def(

@@ -69,12 +69,18 @@ void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd) {
   quantize_to(p, interleaved, xq, xd);
 }
 
-void quantize_int8(const Problem& p, int8_t* xq, float* xs, float* xsum) {
+void quantize_int8(
+    const Problem& p,
+    int m0,
+    int m1,
+    int8_t* xq,
+    float* xs,
+    float* xsum) {
   int groups = p.K / p.group_size;
-  for (int m = 0; m < p.M; m++) {
+  for (int m = m0; m < m1; m++) {
     const float* x = p.x + std::size_t(m) * p.K;
     int8_t* q = xq + std::size_t(m) * p.K;
-    float* scales = xs + std::size_t(m) * (p.K / 4);
+    float* scales = xs + std::size_t(m) * (p.K / p.x_block);
     float* sums = xsum + std::size_t(m) * groups;
     std::fill(sums, sums + groups, 0.0f);
     for (int k0 = 0; k0 < p.K; k0 += 32) {
@@ -83,19 +89,20 @@ void quantize_int8(const Problem& p, int8_t* xq, float* xs, float* xsum) {
         block[j] = x[k0 + block_source(j, p.bits)];
       }
       float total = 0.0f;
-      for (int l = 0; l < 8; l++) {
+      for (int l = 0; l < 32 / p.x_block; l++) {
+        int from = l * p.x_block;
         float amax = 0.0f;
-        for (int i = 4 * l; i < 4 * l + 4; i++) {
+        for (int i = from; i < from + p.x_block; i++) {
           amax = std::max(amax, std::abs(block[i]));
         }
         float scale = amax / 127.0f;
         float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         int lane = 0;
-        for (int i = 4 * l; i < 4 * l + 4; i++) {
+        for (int i = from; i < from + p.x_block; i++) {
           q[k0 + i] = int8_t(std::lrint(block[i] * inverse));
           lane += q[k0 + i];
         }
-        scales[(k0 + 4 * l) / 4] = scale;
+        scales[(k0 + from) / p.x_block] = scale;
         total += scale * float(lane);
       }
       sums[k0 / p.group_size] += total;
@@ -113,7 +120,7 @@ void rows_portable_int8(const Problem& p, int n0, int n1) {
         reinterpret_cast<const uint8_t*>(p.w + std::size_t(n) * (p.K * p.bits / 32));
     for (int m = 0; m < p.M; m++) {
       const int8_t* q = static_cast<const int8_t*>(p.xq) + std::size_t(m) * p.K;
-      const float* xs = p.xd + std::size_t(m) * (p.K / 4);
+      const float* xs = p.xd + std::size_t(m) * (p.K / p.x_block);
       const float* xsum = p.xsum + std::size_t(m) * groups;
       float lanes[8] = {};
       for (int k0 = 0; k0 < p.K; k0 += 32) {
@@ -124,7 +131,7 @@ void rows_portable_int8(const Problem& p, int n0, int n1) {
           for (int i = 4 * l; i < 4 * l + 4; i++) {
             dot += block_code(block, i, p.bits) * q[k0 + i];
           }
-          lanes[l] += float(dot) * (xs[(k0 + 4 * l) / 4] * scale);
+          lanes[l] += float(dot) * (xs[(k0 + 4 * l) / p.x_block] * scale);
         }
       }
       float y = 0.0f;

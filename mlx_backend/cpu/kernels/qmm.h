@@ -14,9 +14,11 @@ struct Problem {
   const float* xsum; // [M, K / group_size]: x summed over each group
   // x quantized for the integer kernels: values [M, K] in the order the kernel
   // reads them, and their scales: int16's one a group [M, K / group_size],
-  // int8's one per 4 values [M, K / 4] (quantize_int8).
+  // int8's one per x_block values [M, K / x_block] (quantize_int8: 4 for the
+  // row kernels, 32 for the GEMM).
   const void* xq;
   const float* xd;
+  int x_block;
   // x [M, K] in the lane order of the weights' words (lane_order), for the float
   // row kernels that read it so.
   const float* xl;
@@ -38,6 +40,8 @@ using RowsKernel = void (*)(const Problem&, int n0, int n1);
 using DequantizeKernel = void (*)(const Problem&, int n0, int n1, float* out);
 
 void rows_portable(const Problem& p, int n0, int n1);
+// The int8 kernels' arithmetic in plain C++, for x quantized with any x_block:
+// the reference of the row kernels and of the GEMM.
 void rows_portable_int8(const Problem& p, int n0, int n1);
 void dequantize_portable(const Problem& p, int n0, int n1, float* out);
 
@@ -45,11 +49,20 @@ void dequantize_portable(const Problem& p, int n0, int n1, float* out);
 // values as [even ones, odd ones], the order of 4-bit weights' low and high nibbles.
 void quantize_rows(const Problem& p, bool interleaved, int16_t* xq, float* xd);
 
-// x rounded to int8 for the int8 kernels: each block of 32 in the order the
-// kernels meet the weights' codes (4 bits: its even values, then its odd ones),
-// a scale per 4 of those (each int32 lane of a dot product sums 4), and each
-// group's sum of the rounded values into `xsum` (which the biases meet).
-void quantize_int8(const Problem& p, int8_t* xq, float* xs, float* xsum);
+// Rows m0..m1 of x rounded to int8 for the int8 kernels: each block of 32 in the
+// order the kernels meet the weights' codes (4 bits: its even values, then its odd
+// ones), a scale per p.x_block of those (4 for the row kernels, each int32 lane of
+// a dot product summing 4; 32 for the GEMM), and each group's sum of the rounded
+// values into `xsum` (which the biases meet).
+void quantize_int8(
+    const Problem& p,
+    int m0,
+    int m1,
+    int8_t* xq,
+    float* xs,
+    float* xsum);
+using QuantizeKernel =
+    void (*)(const Problem&, int m0, int m1, int8_t*, float*, float*);
 
 // x's rows in the order a vector of 8 weight words holds its weights: in each
 // block of 8 words, field i of word j at [i * 8 + j] (a last block of 4 words at
@@ -60,6 +73,18 @@ void lane_order(const Problem& p, float* xl);
 void rows_avx2_int8(const Problem& p, int n0, int n1);
 void rows_avxvnni_int8(const Problem& p, int n0, int n1);
 void rows_avx512vnni_int8(const Problem& p, int n0, int n1);
+// quantize_int8 on AVX2 (int8_avx2.cpp), for every x86 int8 kernel.
+void quantize_int8_avx2(
+    const Problem& p,
+    int m0,
+    int m1,
+    int8_t* xq,
+    float* xs,
+    float* xsum);
+// The int8 GEMM (int8_gemm_impl.h): every row of x, x_block 32.
+void gemm_avx2_int8(const Problem& p, int n0, int n1);
+void gemm_avxvnni_int8(const Problem& p, int n0, int n1);
+void gemm_avx512vnni_int8(const Problem& p, int n0, int n1);
 void rows_avx2_int16(const Problem& p, int n0, int n1);
 void rows_avx2(const Problem& p, int n0, int n1);
 void dequantize_avx2(const Problem& p, int n0, int n1, float* out);

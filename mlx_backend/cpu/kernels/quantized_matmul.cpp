@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -189,6 +190,9 @@ struct Kernels {
   // (nullptr: none for this instruction set).
   RowsKernel rows_int16 = nullptr;
   RowsKernel rows_int8 = nullptr;
+  // The int8 GEMM for many rows of x (nullptr: none; they take sgemm tiles).
+  RowsKernel gemm_int8 = nullptr;
+  QuantizeKernel quantize_int8 = qmm::quantize_int8;
   // Whether `rows` reads x in lane order (Problem::xl).
   bool rows_read_lanes = false;
   // Whether 8-bit weights take rows_int8 too: AVX2's has to recentre their codes
@@ -203,7 +207,16 @@ Kernels portable_kernels() {
 #else
   std::string name = "portable";
 #endif
-  return {name, rows_portable, dequantize_portable, nullptr, rows_portable_int8};
+  // The portable int8 kernel takes x with either block of scales: it is the GEMM
+  // too (the reference the vector ones are tested against).
+  return {
+      name,
+      rows_portable,
+      dequantize_portable,
+      nullptr,
+      rows_portable_int8,
+      rows_portable_int8,
+      quantize_int8};
 }
 
 // The kernels this CPU runs, best first: the float kernels are AVX2's wherever
@@ -214,12 +227,13 @@ std::vector<Kernels> cpu_kernels() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
     Kernels avx2{
-        "avx2", rows_avx2, dequantize_avx2, rows_avx2_int16, rows_avx2_int8, true,
-        false};
+        "avx2",          rows_avx2,         dequantize_avx2, rows_avx2_int16,
+        rows_avx2_int8,  gemm_avx2_int8,    quantize_int8_avx2, true, false};
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
       Kernels vnni = avx2;
       vnni.isa = "avx512vnni";
       vnni.rows_int8 = rows_avx512vnni_int8;
+      vnni.gemm_int8 = gemm_avx512vnni_int8;
       vnni.int8_for_8bit = true;
       out.push_back(vnni);
     }
@@ -227,6 +241,7 @@ std::vector<Kernels> cpu_kernels() {
       Kernels vnni = avx2;
       vnni.isa = "avxvnni";
       vnni.rows_int8 = rows_avxvnni_int8;
+      vnni.gemm_int8 = gemm_avxvnni_int8;
       vnni.int8_for_8bit = true;
       out.push_back(vnni);
     }
@@ -245,9 +260,11 @@ struct State {
   Kernels kernels = best_kernels();
   Pool pool;
   int rows_limit = 32;
-  // float32: the same logprobs whichever kernel (rows or sgemm tiles) a row meets,
-  // so alone, batched and scored agree (cpu-kernels.md).
+  // What x meets the weights as, up to rows_limit rows (the row kernels) and past
+  // it (the int8 GEMM, or sgemm tiles). float32: the same logprobs whichever
+  // kernel a row meets, so alone, batched and scored agree (cpu-kernels.md).
   std::string activations = "float32";
+  std::string prefill_activations = "float32";
   // Multiply-adds from which a row-kernel matmul is split over the threads.
   double parallel_work = env_number("MLX_BACKEND_KERNEL_PARALLEL_WORK", 1 << 18);
   Sgemm sgemm = find_sgemm();
@@ -301,6 +318,24 @@ void compute_tiles(const Problem& p, const Kernels& k) {
   }
 }
 
+// x quantized for the int8 kernels: a prompt's rows split over the threads.
+void quantize_x(
+    const Problem& p,
+    QuantizeKernel quantize,
+    int8_t* xq,
+    float* xd,
+    float* xsum) {
+  State& s = state();
+  int tasks = std::min(p.M, 2 * s.pool.size());
+  bool parallel = double(p.M) * p.K >= s.parallel_work;
+  s.pool.run(
+      tasks,
+      [&](int t) {
+        quantize(p, p.M * t / tasks, p.M * (t + 1) / tasks, xq, xd, xsum);
+      },
+      parallel);
+}
+
 // Rows m0..m0 + count of p (as far as p goes), whose quantized x takes
 // `xq_bytes` a value and `xd_row` scales a row.
 Problem rows_block(
@@ -334,7 +369,11 @@ void compute(std::vector<Problem>& ps) {
   State& s = state();
   Problem& first = ps[0];
   Kernels k = simd_shape(first) ? s.kernels : portable_kernels();
-  if (first.M > s.rows_limit && s.sgemm != nullptr) {
+  bool many = first.M > s.rows_limit;
+  const std::string& activations = many ? s.prefill_activations : s.activations;
+  bool int8 = activations == "int8" && k.rows_int8 != nullptr &&
+      (first.bits == 4 || (first.bits == 8 && k.int8_for_8bit));
+  if (many && !(int8 && k.gemm_int8 != nullptr) && s.sgemm != nullptr) {
     for (auto& p : ps) {
       compute_tiles(p, k);
     }
@@ -345,27 +384,37 @@ void compute(std::vector<Problem>& ps) {
   thread_local std::vector<int8_t> x8;
   thread_local std::vector<int16_t> x16;
   thread_local std::vector<std::array<int, 3>> spans;
-  group_sums(first, xsum);
+  if (int8) {
+    // quantize_int8 writes the sums of the rounded values.
+    xsum.resize(size_t(first.M) * (first.K / first.group_size));
+    first.xsum = xsum.data();
+  } else {
+    group_sums(first, xsum);
+  }
   RowsKernel rows = k.rows;
   size_t xd_row = first.K / first.group_size;
-  if (s.activations == "int16" && k.rows_int16 != nullptr) {
+  // Whether the kernel takes all of x's rows at once (the GEMM converts each
+  // weight panel once for them).
+  bool whole = false;
+  if (activations == "int16" && k.rows_int16 != nullptr) {
     xd.resize(size_t(first.M) * xd_row);
     x16.resize(size_t(first.M) * first.K);
     quantize_rows(first, first.bits == 4, x16.data(), xd.data());
     first.xq = x16.data();
     first.xd = xd.data();
     rows = k.rows_int16;
-  } else if (
-      s.activations == "int8" && k.rows_int8 != nullptr &&
-      (first.bits == 4 || (first.bits == 8 && k.int8_for_8bit))) {
-    // A scale per 4 values, and the groups' sums of the rounded values.
-    xd_row = first.K / 4;
+  } else if (int8) {
+    // A scale per 4 values for the row kernels, per 32 for the GEMM, and the
+    // groups' sums of the rounded values.
+    whole = many && k.gemm_int8 != nullptr;
+    first.x_block = whole ? 32 : 4;
+    xd_row = first.K / first.x_block;
     xd.resize(size_t(first.M) * xd_row);
     x8.resize(size_t(first.M) * first.K);
-    quantize_int8(first, x8.data(), xd.data(), xsum.data());
+    quantize_x(first, k.quantize_int8, x8.data(), xd.data(), xsum.data());
     first.xq = x8.data();
     first.xd = xd.data();
-    rows = k.rows_int8;
+    rows = whole ? k.gemm_int8 : k.rows_int8;
   }
   if (rows == k.rows && k.rows_read_lanes) {
     xl.resize(size_t(first.M) * first.K);
@@ -378,12 +427,15 @@ void compute(std::vector<Problem>& ps) {
     p.xd = first.xd;
     p.xq = first.xq;
     p.xl = first.xl;
+    p.x_block = first.x_block;
     outputs += p.N;
   }
   int per_task = std::max(
       ROWS_PER_TASK, (outputs + s.pool.size() * TASKS_PER_THREAD - 1) /
           (s.pool.size() * TASKS_PER_THREAD));
-  per_task = (per_task + 7) / 8 * 8;
+  // Whole weight panels (16 rows) for the GEMM, 8 rows for the row kernels.
+  int align = whole ? 16 : 8;
+  per_task = (per_task + align - 1) / align * align;
   // (problem, first output row, end) of each task.
   spans.clear();
   for (int i = 0; i < int(ps.size()); i++) {
@@ -404,8 +456,9 @@ void compute(std::vector<Problem>& ps) {
         auto [i, n0, n1] = task_spans[t];
         // Many rows (no fast sgemm) in blocks of rows_limit, so that a block of x
         // stays in cache while the task's weight rows meet it.
-        for (int m0 = 0; m0 < first.M; m0 += s.rows_limit) {
-          rows(rows_block(ps[i], m0, s.rows_limit, xq_bytes, xd_row), n0, n1);
+        int block = whole ? first.M : s.rows_limit;
+        for (int m0 = 0; m0 < first.M; m0 += block) {
+          rows(rows_block(ps[i], m0, block, xq_bytes, xd_row), n0, n1);
         }
       },
       parallel);
@@ -593,6 +646,7 @@ Problem weight_problem(
   p.xsum = nullptr;
   p.xq = nullptr;
   p.xd = nullptr;
+  p.x_block = 4;
   p.xl = nullptr;
   p.w = static_cast<const uint32_t*>(row_major(w, copies));
   p.scales = row_major(scales, copies);
@@ -728,6 +782,21 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(
   return shapes;
 }
 
+// What rows of x meet the weights as under `activations`, with the kernels k:
+// the setting where they have its kernel, else float32.
+std::string effective(const State& s, const std::string& activations, bool many) {
+  const Kernels& k = s.kernels;
+  if (activations == "int8" && k.rows_int8 != nullptr &&
+      (!many || k.gemm_int8 != nullptr || s.sgemm == nullptr)) {
+    return "int8";
+  }
+  if (activations == "int16" && k.rows_int16 != nullptr &&
+      (!many || s.sgemm == nullptr)) {
+    return "int16";
+  }
+  return "float32";
+}
+
 Settings settings() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -736,20 +805,22 @@ Settings settings() {
       s.pool.size(),
       s.rows_limit,
       s.sgemm != nullptr,
-      (s.activations == "int16" ? s.kernels.rows_int16 : s.kernels.rows_int8) !=
-              nullptr
-          ? s.activations
-          : "float32"};
+      effective(s, s.activations, false),
+      effective(s, s.prefill_activations, true)};
 }
 
-void set_activations(const std::string& activations) {
-  if (activations != "float32" && activations != "int16" && activations != "int8") {
+void set_activations(const std::string& activations, const std::string& prefill) {
+  auto known = [](const std::string& a) {
+    return a == "float32" || a == "int16" || a == "int8";
+  };
+  if (!known(activations) || !(prefill.empty() || known(prefill))) {
     throw std::invalid_argument(
         "[quantized_matmul] activations must be float32, int16 or int8");
   }
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.activations = activations;
+  s.prefill_activations = prefill.empty() ? activations : prefill;
 }
 
 void run_tasks(int tasks, double work, const std::function<void(int)>& fn) {
@@ -791,6 +862,42 @@ int check_pool(int runs) {
     }
   }
   return faults.load();
+}
+
+double read_bandwidth(int megabytes, int repeats) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  std::vector<uint64_t> buffer(size_t(megabytes) << 17, 1);
+  // Many slices, so that a thread late to wake leaves its share to the others.
+  constexpr int SLICES = 64;
+  std::array<uint64_t, SLICES * 8> sums{};
+  double best = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < repeats; r++) {
+    auto start = std::chrono::steady_clock::now();
+    s.pool.run(SLICES, [&](int t) {
+      size_t from = buffer.size() * t / SLICES, to = buffer.size() * (t + 1) / SLICES;
+      uint64_t lanes[8] = {};
+      for (size_t i = from; i + 8 <= to; i += 8) {
+        for (int l = 0; l < 8; l++) {
+          lanes[l] += buffer[i + l];
+        }
+      }
+      for (int l = 0; l < 8; l++) {
+        sums[t * 8 + l] = lanes[l];
+      }
+    });
+    std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    best = std::min(best, took.count());
+  }
+  uint64_t total = 0;
+  for (uint64_t v : sums) {
+    total += v;
+  }
+  // Each word is 1: a sum short of the words means a slice went unread.
+  if (total != buffer.size() / 8 * 8) {
+    throw std::logic_error("[read_bandwidth] a slice went unread");
+  }
+  return double(buffer.size()) * 8 / best / 1e9;
 }
 
 void set_threads(int threads) {

@@ -101,9 +101,11 @@ struct Settings {
   int threads;
   int rows_limit;
   bool sgemm;
-  // What the row kernel multiplies the weights with: float32 x, or x rounded per
-  // group to int16, or to int8 (llama.cpp's way).
+  // What the row kernels multiply the weights with: float32 x, or x rounded per
+  // group to int16, or to int8 (llama.cpp's way); and what rows of x past
+  // rows_limit meet them as (int8: the GEMM; float32: sgemm tiles).
   std::string activations;
+  std::string prefill_activations;
 };
 
 Settings settings();
@@ -112,7 +114,11 @@ void set_threads(int threads);
 // Runs the worker pool `runs` times over tasks that count their calls: the number
 // of tasks run other than once, or still running when their run returned.
 int check_pool(int runs);
-void set_activations(const std::string& activations);
+// GB/s the kernels' threads read `megabytes` of memory at (the best of `repeats`):
+// the ceiling a decode step's products stream their weights against.
+double read_bandwidth(int megabytes, int repeats);
+// What x meets the weights as, up to rows_limit rows and past it ("": the same).
+void set_activations(const std::string& activations, const std::string& prefill);
 // Whether many rows of x go to the process's sgemm in tiles of dequantized weights
 // (worth it with a fast BLAS), or to the row kernel in blocks of rows_limit rows.
 void use_sgemm(bool use);

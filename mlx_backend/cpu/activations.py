@@ -1,0 +1,156 @@
+"""What the SIMD kernels multiply the weights with, chosen once per load: float32
+x, or x rounded to int8 (integer dot products), for a decode's few rows (the row
+kernels) and for a prompt's many (the int8 GEMM against sgemm tiles) apart.
+
+``kernel_activations`` pins both; ``auto`` takes the host's
+``MLX_BACKEND_KERNEL_ACTIVATIONS`` if set, else measures the model's own products
+both ways at load and takes int8 wherever it is faster by ``INT8_MARGIN``. Rounding
+x moves the next-token distributions a little (mean KL about 0.0004 on the row
+kernels and 0.003 on the GEMM on the default model, docs/cpu-kernels.md).
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_backend.cpu.kernels import runs_on_kernels
+from mlx_backend.switches import host_setting
+from python_utils import KERNEL_ACTIVATIONS
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS_ENV = "MLX_BACKEND_KERNEL_ACTIVATIONS"
+# int8 is taken where its time is at most this share of float32's: a tie keeps
+# float32's exact logprobs.
+INT8_MARGIN = 0.97
+# The decode side's rows of x (one stream, and a batch's), and the prefill
+# side's (a server's prompt chunk).
+DECODE_ROWS = (1, 16)
+PREFILL_ROWS = 256
+# How much of the model each side multiplies per measurement: a decode step's
+# products up to this many weight bytes, and a layer's for the prefill side.
+DECODE_BYTES = 64 << 20
+ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What x meets the weights as, and what decided it."""
+
+    decode: str
+    prefill: str
+    reason: str
+    # int8's time over float32's (decode, prefill), where measured.
+    measured: tuple[float, float] | None = None
+
+    def describe(self) -> str:
+        sides = (
+            f"{self.decode} activations"
+            if self.decode == self.prefill
+            else f"{self.decode} activations decoding, {self.prefill} prefilling"
+        )
+        text = f"{sides} ({self.reason}"
+        if self.measured:
+            text += ": int8/float32 time, decode {:.2f}, prefill {:.2f}".format(
+                *self.measured
+            )
+        return text + ")"
+
+
+def activations_setting(option: str, environ) -> tuple[str, str]:
+    """The mode and what set it: the option unless ``auto``, else the host's
+    ``MLX_BACKEND_KERNEL_ACTIVATIONS``, else ``auto``."""
+    return host_setting(
+        option, "kernel_activations", environ, ACTIVATIONS_ENV, KERNEL_ACTIVATIONS
+    )
+
+
+def kernel_products(model: nn.Module) -> list[tuple[str, tuple]]:
+    """The model's quantized products the kernels take, in order: their paths,
+    and (weight, scales, biases, group_size, bits)."""
+    products = []
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and (
+            runs_on_kernels(module)
+        ):
+            parts = ("weight", "scales", "biases")
+            product = (*(module[k] for k in parts), module.group_size, module.bits)
+            products.append((path, product))
+    return sorted(products)
+
+
+def first_layer(products: list[tuple[str, tuple]]) -> list[tuple]:
+    """The products of the model's first block (``...layers.0.``), or its first
+    four where it has no such path."""
+    for path, _ in products:
+        head, found, _ = path.partition(".layers.0.")
+        if found:
+            prefix = head + found
+            return [p for path, p in products if path.startswith(prefix)]
+    return [p for _, p in products[:4]]
+
+
+def time_products(qmm, products: list[tuple], rows: int, activations: str) -> float:
+    """Seconds for ``products`` on ``rows`` rows of x under ``activations``, all
+    in one evaluation (the best of ROUNDS, interleaved by the caller)."""
+    qmm.set_activations(activations)
+    xs = [
+        mx.random.normal((rows, w.shape[1] * 32 // bits), key=mx.random.key(i))
+        for i, (w, _, _, _, bits) in enumerate(products)
+    ]
+    mx.eval(xs)
+    start = time.perf_counter()
+    mx.eval([qmm.quantized_matmul(x, *p) for x, p in zip(xs, products)])
+    return time.perf_counter() - start
+
+
+def measure(qmm, model: nn.Module) -> tuple[float, float]:
+    """int8's time over float32's on the model's decode and prefill products."""
+    products = kernel_products(model)
+    decode, held = [], 0
+    for _, p in products:
+        if held + sum(a.nbytes for a in p[:3]) > DECODE_BYTES and decode:
+            break
+        decode.append(p)
+        held += sum(a.nbytes for a in p[:3])
+    prefill = first_layer(products)
+    sides = {"decode": (decode, DECODE_ROWS), "prefill": (prefill, (PREFILL_ROWS,))}
+    ratios = []
+    for name, (chosen, rows_list) in sides.items():
+        best = {"float32": float("inf"), "int8": float("inf")}
+        for _ in range(ROUNDS):
+            for activations in best:
+                seconds = sum(
+                    time_products(qmm, chosen, rows, activations) for rows in rows_list
+                )
+                best[activations] = min(best[activations], seconds)
+        ratios.append(best["int8"] / best["float32"])
+    return ratios[0], ratios[1]
+
+
+def choose_activations(qmm, model: nn.Module, option: str, environ) -> Activations:
+    """What the kernels multiply with for ``model``: the option, the host's
+    setting, or (``auto``) int8 on each side where measured faster. Sets it."""
+    mode, source = activations_setting(option, environ)
+    if mode != "auto":
+        chosen = Activations(mode, mode, source)
+    else:
+        measured = measure(qmm, model)
+        decode, prefill = (
+            "int8" if ratio <= INT8_MARGIN else "float32" for ratio in measured
+        )
+        chosen = Activations(decode, prefill, "auto, measured", measured)
+    qmm.set_activations(chosen.decode, chosen.prefill)
+    settings = qmm.settings()
+    # What runs: a side without its int8 kernel stays on float32.
+    effective = Activations(
+        settings["activations"],
+        settings["prefill_activations"],
+        chosen.reason,
+        chosen.measured,
+    )
+    logger.info("CPU kernels: %s", effective.describe())
+    return effective

@@ -1,0 +1,333 @@
+// The int8 GEMM for many rows of x (a prompt's chunk): weight rows go 16 at a
+// time into a panel of unsigned int8 codes interleaved by 4 (each 4 values of
+// row i at int32 lane i of a step's two vectors), and x's rows, rounded to int8
+// with a scale per block of 32 (quantize_int8 with a block of 32), meet the
+// panel in tiles of GEMM_X_ROWS: each step broadcasts 4 of a row's values
+// against the 16 rows' codes, so no lane ever needs a horizontal sum. A block's
+// int32 sums are converted and scaled once (x's block scale times the group's
+// weight scales), and the biases meet the groups' sums of the rounded x at the
+// end. Written once and built for each instruction set by the file that
+// includes it, beside the row kernel (int8_rows_impl.h, whose dot product and
+// code layout it shares); it defines INT8_GEMM(const Problem&, int n0, int n1).
+// The panel is converted once for all of x's rows, so this pays from about 32
+// rows (compute() sends fewer to the row kernel).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "int8_rows_impl.h"
+
+namespace qmm {
+
+namespace {
+
+#ifndef GEMM_512
+#define GEMM_512 1
+#endif
+#ifndef GEMM_ROWS_512
+#define GEMM_ROWS_512 8
+#endif
+// Weight rows a panel holds: two vectors of 8 int32 lanes.
+constexpr int PANEL_ROWS = 16;
+
+// Rows of x a tile takes: their two int and two float accumulators each fit
+// AVX-512's 32 vector registers at 6, AVX2's 16 at 2 (maddubs needs a constant
+// and a scratch register more than dpbusd).
+#if defined(QMM_DOT_AVX512VNNI)
+constexpr int GEMM_X_ROWS = GEMM_ROWS_512;
+#elif defined(QMM_DOT_AVXVNNI)
+constexpr int GEMM_X_ROWS = 3;
+#else
+constexpr int GEMM_X_ROWS = 2;
+#endif
+
+#if defined(QMM_DOT_AVX512VNNI) || defined(QMM_DOT_AVXVNNI)
+inline __m256i block_dot(__m256i sums, __m256i w, __m256i x) {
+#if defined(QMM_DOT_AVX512VNNI)
+  return _mm256_dpbusd_epi32(sums, w, x);
+#else
+  return _mm256_dpbusd_avx_epi32(sums, w, x);
+#endif
+}
+
+inline __m256i block_sums(__m256i sums) {
+  return sums;
+}
+#else
+// maddubs's pairs summed in int16 over the block's 8 steps (at most 8 * 2 * 15 *
+// 127 = 30480, under int16's limit for 4-bit codes), then madd into int32 once.
+inline __m256i block_dot(__m256i sums, __m256i w, __m256i x) {
+  return _mm256_add_epi16(sums, _mm256_maddubs_epi16(w, x));
+}
+
+inline __m256i block_sums(__m256i sums) {
+  return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+}
+#endif
+
+// A panel: the codes [K / 4][16][4] bytes, the scales and biases [groups][16].
+struct Panel {
+  uint8_t* codes;
+  float* scales;
+  float* biases;
+};
+
+// The calling thread's panel room for K inputs in `groups` groups (kept between
+// calls, as row_scale_room).
+inline Panel panel_room(int K, int groups) {
+  thread_local char* room = nullptr;
+  thread_local std::size_t capacity = 0;
+  std::size_t codes = std::size_t(K) * PANEL_ROWS;
+  std::size_t values = std::size_t(groups) * PANEL_ROWS * sizeof(float);
+  std::size_t need = codes + 2 * values + 64;
+  if (need > capacity) {
+    delete[] room;
+    room = new char[need];
+    capacity = need;
+  }
+  // Each part 64-byte aligned (codes and values are multiples of 64 bytes).
+  auto base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(room) + 63) & ~63);
+  return {
+      reinterpret_cast<uint8_t*>(base),
+      reinterpret_cast<float*>(base + codes),
+      reinterpret_cast<float*>(base + codes + values)};
+}
+
+// Eight vectors' int32 lanes transposed: out[j] holds lane j of rows[0..8].
+inline void transpose_lanes(const __m256i rows[8], __m256i out[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; i++) {
+    t[2 * i] = _mm256_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; h++) {
+    __m256i* q = t + 4 * h;
+    u[4 * h] = _mm256_unpacklo_epi64(q[0], q[2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(q[0], q[2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(q[1], q[3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(q[1], q[3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    out[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+    out[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+  }
+}
+
+// Weight rows n..n + count (count <= 16) into the panel; rows past count are
+// zero codes, scales and biases.
+template <int BITS>
+inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
+  int blocks = p.K / 32;
+  int groups = p.K / p.group_size;
+  std::size_t stride = std::size_t(p.K) * BITS / 32;
+  for (int half = 0; half < 2; half++) {
+    const uint32_t* rows[8];
+    for (int i = 0; i < 8; i++) {
+      int row = half * 8 + i;
+      rows[i] = row < count ? p.w + std::size_t(n + row) * stride : nullptr;
+    }
+    for (int b = 0; b < blocks; b++) {
+      __m256i codes[8], steps[8];
+      for (int i = 0; i < 8; i++) {
+        codes[i] =
+            rows[i] ? code_bytes<BITS>(rows[i] + b * BITS) : _mm256_setzero_si256();
+      }
+      transpose_lanes(codes, steps);
+      auto out = reinterpret_cast<__m256i*>(panel.codes) + std::size_t(b) * 16 + half;
+      for (int j = 0; j < 8; j++) {
+        _mm256_store_si256(out + 2 * j, steps[j]);
+      }
+    }
+  }
+  auto [scales, biases] = row_scale_room(groups);
+  for (int i = 0; i < PANEL_ROWS; i++) {
+    if (i < count) {
+      load_scales(p, p.scales, n + i, scales);
+      load_scales(p, p.biases, n + i, biases);
+    }
+    for (int g = 0; g < groups; g++) {
+      panel.scales[g * PANEL_ROWS + i] = i < count ? scales[g] : 0.0f;
+      panel.biases[g * PANEL_ROWS + i] = i < count ? biases[g] : 0.0f;
+    }
+  }
+}
+
+// Rows m..m + R of x against the panel of weight rows n..n + count.
+template <int R>
+inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int count) {
+  int blocks = p.K / 32;
+  int groups = p.K / p.group_size;
+  int shift = __builtin_ctz(p.group_size / 32);
+  const int8_t* xq[R];
+  const float* xd[R];
+  __m256 total[R][2];
+  for (int r = 0; r < R; r++) {
+    xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
+    xd[r] = p.xd + std::size_t(m + r) * blocks;
+    total[r][0] = total[r][1] = _mm256_setzero_ps();
+  }
+  auto codes = reinterpret_cast<const __m256i*>(panel.codes);
+  for (int b = 0; b < blocks; b++, codes += 16) {
+    __m256i sums[R][2];
+    for (int r = 0; r < R; r++) {
+      sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 8; j++) {
+      __m256i low = _mm256_load_si256(codes + 2 * j);
+      __m256i high = _mm256_load_si256(codes + 2 * j + 1);
+      for (int r = 0; r < R; r++) {
+        int four;
+        __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+        __m256i x = _mm256_set1_epi32(four);
+        sums[r][0] = block_dot(sums[r][0], low, x);
+        sums[r][1] = block_dot(sums[r][1], high, x);
+      }
+    }
+    const float* scales = panel.scales + (b >> shift) * PANEL_ROWS;
+    __m256 low_scale = _mm256_load_ps(scales);
+    __m256 high_scale = _mm256_load_ps(scales + 8);
+    for (int r = 0; r < R; r++) {
+      __m256 d = _mm256_set1_ps(xd[r][b]);
+      total[r][0] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(block_sums(sums[r][0])),
+          _mm256_mul_ps(low_scale, d),
+          total[r][0]);
+      total[r][1] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(block_sums(sums[r][1])),
+          _mm256_mul_ps(high_scale, d),
+          total[r][1]);
+    }
+  }
+  // The biases meet the groups' sums of the rounded x.
+  for (int g = 0; g < groups; g++) {
+    __m256 low_bias = _mm256_load_ps(panel.biases + g * PANEL_ROWS);
+    __m256 high_bias = _mm256_load_ps(panel.biases + g * PANEL_ROWS + 8);
+    for (int r = 0; r < R; r++) {
+      __m256 s = _mm256_set1_ps(p.xsum[std::size_t(m + r) * groups + g]);
+      total[r][0] = _mm256_fmadd_ps(low_bias, s, total[r][0]);
+      total[r][1] = _mm256_fmadd_ps(high_bias, s, total[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float* y = p.y + std::size_t(m + r) * p.N + n;
+    if (count == PANEL_ROWS) {
+      _mm256_storeu_ps(y, total[r][0]);
+      _mm256_storeu_ps(y + 8, total[r][1]);
+    } else {
+      alignas(32) float out[PANEL_ROWS];
+      _mm256_store_ps(out, total[r][0]);
+      _mm256_store_ps(out + 8, total[r][1]);
+      for (int i = 0; i < count; i++) {
+        y[i] = out[i];
+      }
+    }
+  }
+}
+
+#if defined(QMM_DOT_AVX512VNNI)
+// gemm_tile on 512 bits: a step's 16 rows of codes are one vector, so each
+// broadcast of x meets them in one dpbusd and a block's sums convert and scale
+// once for the 16 rows.
+template <int R>
+inline void gemm_tile_512(
+    const Problem& p,
+    const Panel& panel,
+    int m,
+    int n,
+    int count) {
+  int blocks = p.K / 32;
+  int groups = p.K / p.group_size;
+  int shift = __builtin_ctz(p.group_size / 32);
+  const int8_t* xq[R];
+  const float* xd[R];
+  __m512 total[R];
+  for (int r = 0; r < R; r++) {
+    xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
+    xd[r] = p.xd + std::size_t(m + r) * blocks;
+    total[r] = _mm512_setzero_ps();
+  }
+  auto codes = reinterpret_cast<const __m512i*>(panel.codes);
+  for (int b = 0; b < blocks; b++, codes += 8) {
+    __m512i sums[R];
+    for (int r = 0; r < R; r++) {
+      sums[r] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; j++) {
+      __m512i w = _mm512_load_si512(codes + j);
+      for (int r = 0; r < R; r++) {
+        int four;
+        __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+        sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    __m512 scale = _mm512_load_ps(panel.scales + (b >> shift) * PANEL_ROWS);
+    for (int r = 0; r < R; r++) {
+      __m512 d = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, total[r]);
+    }
+  }
+  for (int g = 0; g < groups; g++) {
+    __m512 bias = _mm512_load_ps(panel.biases + g * PANEL_ROWS);
+    for (int r = 0; r < R; r++) {
+      __m512 s = _mm512_set1_ps(p.xsum[std::size_t(m + r) * groups + g]);
+      total[r] = _mm512_fmadd_ps(bias, s, total[r]);
+    }
+  }
+  __mmask16 lanes = __mmask16((1u << count) - 1);
+  for (int r = 0; r < R; r++) {
+    _mm512_mask_storeu_ps(p.y + std::size_t(m + r) * p.N + n, lanes, total[r]);
+  }
+}
+#endif
+
+template <int R>
+inline void gemm_x_tile(const Problem& p, const Panel& panel, int m, int n, int count) {
+#if defined(QMM_DOT_AVX512VNNI) && GEMM_512
+  gemm_tile_512<R>(p, panel, m, n, count);
+#else
+  gemm_tile<R>(p, panel, m, n, count);
+#endif
+}
+
+// The rows of x from m on, fewer than R, in one tile.
+template <int R>
+inline void gemm_rest(const Problem& p, const Panel& panel, int m, int n, int count) {
+  if constexpr (R > 0) {
+    if (p.M - m == R) {
+      gemm_x_tile<R>(p, panel, m, n, count);
+    } else {
+      gemm_rest<R - 1>(p, panel, m, n, count);
+    }
+  }
+}
+
+template <int BITS>
+void int8_gemm(const Problem& p, int n0, int n1) {
+  Panel panel = panel_room(p.K, p.K / p.group_size);
+  for (int n = n0; n < n1; n += PANEL_ROWS) {
+    int count = std::min(PANEL_ROWS, n1 - n);
+    pack_panel<BITS>(p, n, count, panel);
+    int m = 0;
+    for (; m + GEMM_X_ROWS <= p.M; m += GEMM_X_ROWS) {
+      gemm_x_tile<GEMM_X_ROWS>(p, panel, m, n, count);
+    }
+    gemm_rest<GEMM_X_ROWS - 1>(p, panel, m, n, count);
+  }
+}
+
+} // namespace
+
+void INT8_GEMM(const Problem& p, int n0, int n1) {
+  if (p.bits == 4) {
+    int8_gemm<4>(p, n0, n1);
+  } else if constexpr (DOTS_8BIT) {
+    int8_gemm<8>(p, n0, n1);
+  } else {
+    throw std::logic_error("[quantized_matmul] 8-bit weights take the float32 kernel");
+  }
+}
+
+} // namespace qmm

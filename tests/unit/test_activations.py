@@ -1,0 +1,130 @@
+"""What the SIMD kernels multiply the weights with (``cpu/activations.py``): the
+option, the host's setting, or a measurement at load, decoding and prefilling
+apart; and what the kernels then run."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+
+from mlx_backend.cpu import activations
+from mlx_backend.cpu.activations import (
+    ACTIVATIONS_ENV,
+    Activations,
+    activations_setting,
+    choose_activations,
+    first_layer,
+    kernel_products,
+)
+from mlx_backend.cpu.compute_path import prepare_for_cpu
+from mlx_backend.errors import FailedPrecondition
+from python_utils import parse_options
+
+
+def quantized_llama() -> nn.Module:
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=96,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_the_option_then_the_host_then_auto():
+    assert activations_setting("int8", {ACTIVATIONS_ENV: "float32"}) == (
+        "int8",
+        "kernel_activations:int8",
+    )
+    assert activations_setting("auto", {ACTIVATIONS_ENV: " Float32 "}) == (
+        "float32",
+        f"{ACTIVATIONS_ENV}=float32",
+    )
+    assert activations_setting("auto", {}) == ("auto", "auto")
+    with pytest.raises(FailedPrecondition, match=f"{ACTIVATIONS_ENV} must be one of"):
+        activations_setting("auto", {ACTIVATIONS_ENV: "int4"})
+    # The load option's default is auto, and anything else is refused by name.
+    assert parse_options([]).kernel_activations == "auto"
+    with pytest.raises(Exception, match="kernel_activations must be one of auto"):
+        parse_options(["kernel_activations:fp8"])
+
+
+def test_the_measured_products_are_the_models_own():
+    model = quantized_llama()
+    products = kernel_products(model)
+    paths = [path for path, _ in products]
+    # Embedding, head, and each layer's seven projections.
+    assert len(products) == 2 + 2 * 7 and paths == sorted(paths)
+    block = first_layer(products)
+    expected = [p for path, p in products if path.startswith("model.layers.0.")]
+    assert len(block) == 7 and all(a is b for a, b in zip(block, expected))
+    nn.quantize(flat := nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), 32, 4)
+    assert len(first_layer(kernel_products(flat))) == 2
+
+
+def test_a_pinned_choice_sets_both_sides(qmm):
+    for mode in ("int8", "float32"):
+        chosen = choose_activations(qmm, quantized_llama(), mode, {})
+        assert (chosen.decode, chosen.prefill) == (mode, mode)
+        assert chosen.measured is None and chosen.reason == f"kernel_activations:{mode}"
+        settings = qmm.settings()
+        assert (settings["activations"], settings["prefill_activations"]) == (
+            mode,
+            mode,
+        )
+    host = choose_activations(qmm, quantized_llama(), "auto", {ACTIVATIONS_ENV: "int8"})
+    assert host.decode == "int8" and host.reason == f"{ACTIVATIONS_ENV}=int8"
+
+
+def test_auto_measures_each_side_and_takes_int8_where_it_wins(qmm, monkeypatch):
+    model = quantized_llama()
+    chosen = choose_activations(qmm, model, "auto", {})
+    decode, prefill = chosen.measured
+    assert decode > 0 and prefill > 0 and chosen.reason == "auto, measured"
+    for ratio, side in zip(chosen.measured, (chosen.decode, chosen.prefill)):
+        assert side == ("int8" if ratio <= activations.INT8_MARGIN else "float32")
+    # Each side on its own: int8 where it measured faster.
+    monkeypatch.setattr(activations, "measure", lambda qmm, model: (1.2, 0.6))
+    chosen = choose_activations(qmm, model, "auto", {})
+    assert (chosen.decode, chosen.prefill) == ("float32", "int8")
+    assert (qmm.settings()["activations"], qmm.settings()["prefill_activations"]) == (
+        "float32",
+        "int8",
+    )
+    assert chosen.describe() == (
+        "float32 activations decoding, int8 prefilling (auto, measured: int8/float32"
+        " time, decode 1.20, prefill 0.60)"
+    )
+    # The rows of x a side's products meet: a decode's up to the row limit, the
+    # GEMM past it.
+    w, scales, biases = mx.quantize(mx.random.normal((64, 128)), 32, 4)
+    x = mx.random.normal((40, 128), key=mx.random.key(1))
+    many = qmm.quantized_matmul(x, w, scales, biases, 32, 4)
+    one = qmm.quantized_matmul(x[:1], w, scales, biases, 32, 4)
+    mx.eval(many, one)
+    qmm.set_activations("float32")
+    alone = qmm.quantized_matmul(x[:1], w, scales, biases, 32, 4)
+    assert not mx.allclose(many[:1], alone, rtol=0, atol=1e-5)
+    assert mx.array_equal(one, alone)
+
+
+def test_a_draft_model_keeps_the_models_choice(qmm):
+    qmm.set_activations("float32", "int8")
+    _, path = prepare_for_cpu(quantized_llama(), None, None, activations=None)
+    assert "float32 activations" in path.description
+    assert qmm.settings()["prefill_activations"] == "int8"
+    qmm.set_activations("float32")
+
+
+def test_an_unknown_setting_is_refused(qmm):
+    with pytest.raises(ValueError, match="activations must be float32, int16 or int8"):
+        qmm.set_activations("float32", "int4")
+    assert Activations("int8", "int8", "x").describe() == "int8 activations (x)"
