@@ -12,7 +12,6 @@ kernels). The header names the CPU and its instruction sets.
 import logging
 import math
 import re
-import statistics
 import time
 from pathlib import Path
 from pydoc_data.topics import topics

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.llama_cpp import TARGETS, LlamaCpp, compile_tools, isa_flags
+from bench.llama_cpp import LlamaCpp, built, compile_tools, isa_flags
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,10 @@ def check_out(git: Path, folder: Path, out) -> str | None:
 
 def build(model: str, threads: int, folder: Path = FOLDER) -> LlamaCpp | str:
     """ik_llama.cpp's tools built for this CPU (reused once built), or why not."""
-    folder = folder.resolve()
-    bin_dir = folder / "build" / "bin"
-    tools = LlamaCpp(bin_dir, model, threads)
-    if all((bin_dir / t).exists() for t in TARGETS):
+    tools, ready = built(folder, model, threads)
+    if ready:
         return tools
+    folder = folder.resolve()
     git = snapshot()
     if git is None:
         return f"no snapshot of its repository (set {GIT_ENV} to a git directory)"

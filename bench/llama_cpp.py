@@ -137,17 +137,20 @@ def compile_tools(source: Path, folder: Path, options, out) -> str | None:
     return None
 
 
+def built(folder: Path, model: str, threads: int) -> tuple[LlamaCpp, bool]:
+    """The tools ``folder`` holds or will hold, and whether they are built."""
+    tools = LlamaCpp(folder.resolve() / "build" / "bin", model, threads)
+    return tools, all((tools.bin / t).exists() for t in TARGETS)
+
+
 def build(model: str, threads: int, folder: Path = FOLDER) -> LlamaCpp | str:
     """llama.cpp's tools built for this CPU (reused once built), or why not."""
-    folder = folder.resolve()
-    bin_dir = folder / "build" / "bin"
-    tools = LlamaCpp(bin_dir, model, threads)
-    if all((bin_dir / t).exists() for t in TARGETS):
+    tools, ready = built(folder, model, threads)
+    if ready:
         return tools
+    folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "build.log"
-    # The venv's cmake and ninja (requirements-cpu.txt) first.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     name = SDIST.split("==")[0]
     source = folder / "source"
     logger.info("llama.cpp: building %s into %s (once)", SDIST, folder)

@@ -223,6 +223,22 @@ class EagerLookup(NgramProposer):
     cheap = False
 
 
+# Places in qmm.fused_isas() (best first, portable last) that the fused kernels'
+# tests run on: every set an AVX-512 CPU runs; a CPU with fewer skips "next".
+FUSED_ISAS = ("best", "next", "portable")
+
+
+def each_fused_isa(qmm, which: str):
+    """The fused kernels on the set at ``which`` (FUSED_ISAS) for a test, then
+    the best again."""
+    names = qmm.fused_isas()
+    if which == "next" and len(names) < 3:
+        pytest.skip(f"this CPU runs no set between {names[0]} and {names[-1]}")
+    qmm.set_fused_isa({"best": names[0], "next": names[1]}.get(which, names[-1]))
+    yield qmm.fused_isa()
+    qmm.set_fused_isa("auto")
+
+
 def device_tolerance(cpu: float, magnitude: float = 1.0) -> float:
     """A float32 comparison's tolerance ``cpu`` (two evaluations of one model whose
     matmuls differ in shape: batched or alone, chunked or whole, ours or mlx-lm's),

@@ -26,10 +26,10 @@ ACTIVATIONS_ENV = "MLX_BACKEND_KERNEL_ACTIVATIONS"
 # int8 is taken where its time is at most this share of float32's: a tie keeps
 # float32's exact logprobs.
 INT8_MARGIN = 0.97
-# The decode side's rows of x (one stream, and a batch's), and the prefill
-# side's (a server's prompt chunk).
+# The decode side's rows of x (one stream; a batch's, on the int8 GEMM from the
+# kernels' gemm_rows), and the prefill side's (a server's prompt chunk).
 DECODE_ROWS = (1, 16)
-PREFILL_ROWS = 256
+PREFILL_ROWS = (256,)
 # How much of the model each side multiplies per measurement: a decode step's
 # products up to this many weight bytes, and a layer's for the prefill side.
 DECODE_BYTES = 64 << 20
@@ -117,7 +117,7 @@ def measure(qmm, model: nn.Module) -> tuple[float, float]:
         decode.append(p)
         held += sum(a.nbytes for a in p[:3])
     prefill = first_layer(products)
-    sides = {"decode": (decode, DECODE_ROWS), "prefill": (prefill, (PREFILL_ROWS,))}
+    sides = {"decode": (decode, DECODE_ROWS), "prefill": (prefill, PREFILL_ROWS)}
     ratios = []
     for name, (chosen, rows_list) in sides.items():
         best = {"float32": float("inf"), "int8": float("inf")}

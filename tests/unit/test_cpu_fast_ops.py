@@ -7,17 +7,16 @@ import pytest
 from mlx_lm.models import activations, llama
 
 from mlx_backend.cpu.kernels import fast_ops
+from tests.support import FUSED_ISAS, each_fused_isa
 
 MLX = fast_ops._MLX
 EPS = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
 
 
-@pytest.fixture(params=["best", "portable"])
+@pytest.fixture(params=FUSED_ISAS)
 def isa(qmm, request):
-    """Each test on the best instruction set, then on the portable C++."""
-    qmm.set_fused_isa("auto" if request.param == "best" else "portable")
-    yield qmm.fused_isa()
-    qmm.set_fused_isa("auto")
+    """Each test on every instruction set this CPU runs, down to the portable C++."""
+    yield from each_fused_isa(qmm, request.param)
 
 
 def normal(shape, seed, dtype=mx.float32):

@@ -91,22 +91,24 @@ def assert_within(y, expected, bound):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
-    """Random shapes (odd output counts, several groups) at 1, 2, 7, 32, 33 and
-    300 rows, on each instruction set, with float32, int16 and int8 activations
-    (the int8 kernels on each set's dot product: the row kernels up to the row
-    limit, the GEMM past it). Float32 accumulation of K products stays within K *
+    """Random shapes (odd output counts, several groups) at 1, 2, 3, 4, 7, 32,
+    33 and 300 rows, on each instruction set, with float32, int16 and int8
+    activations (the int8 kernels on each set's dot product: the row kernels
+    below gemm_rows, the GEMM from it, with x rounded per 32 values past the row
+    limit). Float32 accumulation of K products stays within K *
     eps of the sum of their magnitudes (x2: the dequantized reference rounds
     too); int16 adds at most rounding_bound, int8 int8_bound."""
     seed = bits * 1000 + group_size + {mx.float16: 1, mx.bfloat16: 2}.get(dtype, 3)
     n, k = 37 + seed % 50, group_size * (2 + seed % 5)
     wq, scales, biases = quantized(n, k, bits, group_size, dtype, seed)
-    for rows in (1, 2, 7, 32, 33, 300):
+    for rows in (1, 2, 3, 4, 7, 32, 33, 300):
         x = mx.random.normal((rows, k), key=mx.random.key(seed + rows))
         expected, magnitude, total = reference(x, wq, scales, biases, group_size, bits)
         float_bound = 2 * k * FLOAT32_EPS * total + 1e-6
-        # The row kernels run up to the row limit; more rows go to the int8 GEMM
-        # under int8, else to sgemm tiles, or without a fast BLAS to the row
-        # kernels in blocks of the limit.
+        # Under int8, 4 rows on go to the GEMM (x rounded per 32 values past the
+        # row limit). Else the row kernels run up to the row limit, and more rows
+        # go to sgemm tiles, or without a fast BLAS to the row kernels in blocks of
+        # the limit.
         many = rows > qmm.settings()["rows_limit"]
         for isa, sgemm in product(qmm.isas(), (True, False) if many else (True,)):
             qmm.set_isa(isa)
@@ -135,16 +137,18 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int8_gemm_matches_the_portable_arithmetic(qmm, bits):
-    """Past the row limit, int8 products take the GEMM: on each instruction set
-    it gives the portable kernel's sums on the same rounded x (x_block 32) within
-    float32 rounding, over weight rows that leave a part panel (not a multiple of
-    16), rows of x that leave a part tile, several groups of f16 scales, and an
-    x whose blocks' scales differ by 10^4 (a wrong block scale or a dropped
-    bias term moves outputs by far more)."""
+@pytest.mark.parametrize("rows", [13, 41])
+def test_int8_gemm_matches_the_portable_arithmetic(qmm, bits, rows):
+    """From gemm_rows on, int8 products take the GEMM: on each instruction set
+    it gives the portable kernel's sums on the same rounded x (a scale per 4
+    values at 13 rows, a batch's; per 32 at 41, a prompt's) within float32
+    rounding, over weight rows that leave a part panel (not a multiple of 16),
+    rows of x that leave a part tile, several groups of f16 scales, and an x
+    whose blocks' scales differ by 10^4 (a wrong block scale or a dropped bias
+    term moves outputs by far more)."""
     n, k, group_size = 53, 64 * 5, 64
     wq, scales, biases = quantized(n, k, bits, group_size, mx.float16, 21)
-    x = mx.random.normal((41, k), key=mx.random.key(22))
+    x = mx.random.normal((rows, k), key=mx.random.key(22))
     x = x * mx.repeat(mx.array([1e-2, 1.0, 1e2, 0.5, 3.0] * 2), 32)
     _, _, total = reference(x, wq, scales, biases, group_size, bits)
     qmm.set_activations("int8")

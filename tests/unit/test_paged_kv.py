@@ -33,6 +33,7 @@ from mlx_backend.caches.paged_attention import (
 )
 from mlx_backend.caches.quantized_kv import QuantizedKVCache
 from mlx_backend.cpu.kernels import fast_ops
+from tests.support import FUSED_ISAS, each_fused_isa
 
 SHAPE = LayerShape(kv_heads=2, key_dims=16, value_dims=16, dtype=mx.float32)
 
@@ -217,11 +218,10 @@ SEGMENTS = (
 )
 
 
-@pytest.fixture(params=["best", "portable"])
+@pytest.fixture(params=FUSED_ISAS)
 def isa(qmm, request):
-    qmm.set_fused_isa("auto" if request.param == "best" else "portable")
-    yield qmm.fused_isa()
-    qmm.set_fused_isa("auto")
+    """Each test on every instruction set this CPU runs, down to the portable C++."""
+    yield from each_fused_isa(qmm, request.param)
 
 
 def kernel_error(qmm, q, kv: PagedKV, layout, sink, window: int = 0) -> float:

@@ -54,6 +54,7 @@ NB_MODULE(_qmm, m) {
     d["isa"] = s.isa;
     d["threads"] = s.threads;
     d["rows_limit"] = s.rows_limit;
+    d["gemm_rows"] = s.gemm_rows;
     d["sgemm"] = s.sgemm;
     d["activations"] = s.activations;
     d["prefill_activations"] = s.prefill_activations;
@@ -74,6 +75,7 @@ NB_MODULE(_qmm, m) {
       nb::call_guard<nb::gil_scoped_release>(),
       "GB/s the kernels' threads read memory at.");
   m.def("use_sgemm", &qmm::use_sgemm, "use"_a);
+  m.def("set_gemm_rows", &qmm::set_gemm_rows, "rows"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("isas", &qmm::isas);
   m.def(
@@ -168,4 +170,5 @@ NB_MODULE(_qmm, m) {
       "logsumexp over the last axis, kept, as one node.");
   m.def("set_fused_isa", &qmm::set_fused_isa, "isa"_a);
   m.def("fused_isa", &qmm::fused_isa);
+  m.def("fused_isas", &qmm::fused_isas);
 }

@@ -26,14 +26,29 @@ const RowKernels& portable_table() {
   return table;
 }
 
-const RowKernels& best_table() {
+// The row kernels this CPU runs, best first.
+const std::vector<const RowKernels*>& tables() {
+  static const std::vector<const RowKernels*> found = [] {
+    std::vector<const RowKernels*> out;
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    static const RowKernels table = fused::avx2_rows();
-    return table;
-  }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+        static const RowKernels avx512 = fused::avx512_rows();
+        out.push_back(&avx512);
+      }
+      static const RowKernels avx2 = fused::avx2_rows();
+      out.push_back(&avx2);
+    }
 #endif
-  return portable_table();
+    out.push_back(&portable_table());
+    return out;
+  }();
+  return found;
+}
+
+const RowKernels& best_table() {
+  return *tables().front();
 }
 
 std::atomic<const RowKernels*> chosen{nullptr};
@@ -985,15 +1000,23 @@ std::vector<mx::Shape> CpuPagedAttention::output_shapes(
 }
 
 void set_fused_isa(const std::string& isa) {
-  const RowKernels& best = best_table();
-  if (isa == "auto" || isa == best.isa) {
-    chosen.store(&best);
-  } else if (isa == "portable") {
-    chosen.store(&portable_table());
-  } else {
-    throw std::invalid_argument(
-        "[fused] isa must be auto, portable or " + std::string(best.isa));
+  std::string names;
+  for (const RowKernels* table : tables()) {
+    if (isa == "auto" || isa == table->isa) {
+      chosen.store(table);
+      return;
+    }
+    names += std::string(", ") + table->isa;
   }
+  throw std::invalid_argument("[fused] isa must be auto" + names);
+}
+
+std::vector<std::string> fused_isas() {
+  std::vector<std::string> out;
+  for (const RowKernels* table : tables()) {
+    out.push_back(table->isa);
+  }
+  return out;
 }
 
 std::string fused_isa() {

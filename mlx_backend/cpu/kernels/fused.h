@@ -248,5 +248,7 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
 // has, "portable" the plain C++ ones.
 void set_fused_isa(const std::string& isa);
 std::string fused_isa();
+// The fused kernels' instruction sets this CPU runs, best first.
+std::vector<std::string> fused_isas();
 
 } // namespace qmm

@@ -100,6 +100,7 @@ struct RowKernels {
 RowKernels portable_rows();
 #if defined(__x86_64__)
 RowKernels avx2_rows();
+RowKernels avx512_rows();
 #endif
 
 } // namespace qmm::fused

@@ -155,8 +155,11 @@ inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
   }
 }
 
-// Rows m..m + R of x against the panel of weight rows n..n + count.
-template <int R>
+// Rows m..m + R of x against the panel of weight rows n..n + count, x with a
+// scale per XB values: 32 (a prompt's chunk: a block's sums convert once) or 4
+// (a batch's rows, rounded as the row kernels round them: each step's sums
+// convert and meet their 4 values' scale, then the block's meet the weights').
+template <int XB, int R>
 inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int count) {
   int blocks = p.K / 32;
   int groups = p.K / p.group_size;
@@ -166,39 +169,67 @@ inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int co
   __m256 total[R][2];
   for (int r = 0; r < R; r++) {
     xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
-    xd[r] = p.xd + std::size_t(m + r) * blocks;
+    xd[r] = p.xd + std::size_t(m + r) * (p.K / XB);
     total[r][0] = total[r][1] = _mm256_setzero_ps();
   }
   auto codes = reinterpret_cast<const __m256i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 16) {
-    __m256i sums[R][2];
-    for (int r = 0; r < R; r++) {
-      sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-    }
-    for (int j = 0; j < 8; j++) {
-      __m256i low = _mm256_load_si256(codes + 2 * j);
-      __m256i high = _mm256_load_si256(codes + 2 * j + 1);
-      for (int r = 0; r < R; r++) {
-        int four;
-        __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
-        __m256i x = _mm256_set1_epi32(four);
-        sums[r][0] = block_dot(sums[r][0], low, x);
-        sums[r][1] = block_dot(sums[r][1], high, x);
-      }
-    }
     const float* scales = panel.scales + (b >> shift) * PANEL_ROWS;
     __m256 low_scale = _mm256_load_ps(scales);
     __m256 high_scale = _mm256_load_ps(scales + 8);
-    for (int r = 0; r < R; r++) {
-      __m256 d = _mm256_set1_ps(xd[r][b]);
-      total[r][0] = _mm256_fmadd_ps(
-          _mm256_cvtepi32_ps(block_sums(sums[r][0])),
-          _mm256_mul_ps(low_scale, d),
-          total[r][0]);
-      total[r][1] = _mm256_fmadd_ps(
-          _mm256_cvtepi32_ps(block_sums(sums[r][1])),
-          _mm256_mul_ps(high_scale, d),
-          total[r][1]);
+    if constexpr (XB == 32) {
+      __m256i sums[R][2];
+      for (int r = 0; r < R; r++) {
+        sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      }
+      for (int j = 0; j < 8; j++) {
+        __m256i low = _mm256_load_si256(codes + 2 * j);
+        __m256i high = _mm256_load_si256(codes + 2 * j + 1);
+        for (int r = 0; r < R; r++) {
+          int four;
+          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+          __m256i x = _mm256_set1_epi32(four);
+          sums[r][0] = block_dot(sums[r][0], low, x);
+          sums[r][1] = block_dot(sums[r][1], high, x);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        __m256 d = _mm256_set1_ps(xd[r][b]);
+        total[r][0] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(block_sums(sums[r][0])),
+            _mm256_mul_ps(low_scale, d),
+            total[r][0]);
+        total[r][1] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(block_sums(sums[r][1])),
+            _mm256_mul_ps(high_scale, d),
+            total[r][1]);
+      }
+    } else {
+      __m256 block[R][2];
+      for (int r = 0; r < R; r++) {
+        block[r][0] = block[r][1] = _mm256_setzero_ps();
+      }
+      for (int j = 0; j < 8; j++) {
+        __m256i low = _mm256_load_si256(codes + 2 * j);
+        __m256i high = _mm256_load_si256(codes + 2 * j + 1);
+        const __m256i zero = _mm256_setzero_si256();
+        for (int r = 0; r < R; r++) {
+          int four;
+          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+          __m256i x = _mm256_set1_epi32(four);
+          __m256 d = _mm256_set1_ps(xd[r][8 * b + j]);
+          block[r][0] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(block_sums(block_dot(zero, low, x))), d, block[r][0]);
+          block[r][1] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(block_sums(block_dot(zero, high, x))),
+              d,
+              block[r][1]);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        total[r][0] = _mm256_fmadd_ps(block[r][0], low_scale, total[r][0]);
+        total[r][1] = _mm256_fmadd_ps(block[r][1], high_scale, total[r][1]);
+      }
     }
   }
   // The biases meet the groups' sums of the rounded x.
@@ -231,7 +262,7 @@ inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int co
 // gemm_tile on 512 bits: a step's 16 rows of codes are one vector, so each
 // broadcast of x meets them in one dpbusd and a block's sums convert and scale
 // once for the 16 rows.
-template <int R>
+template <int XB, int R>
 inline void gemm_tile_512(
     const Problem& p,
     const Panel& panel,
@@ -246,27 +277,48 @@ inline void gemm_tile_512(
   __m512 total[R];
   for (int r = 0; r < R; r++) {
     xq[r] = static_cast<const int8_t*>(p.xq) + std::size_t(m + r) * p.K;
-    xd[r] = p.xd + std::size_t(m + r) * blocks;
+    xd[r] = p.xd + std::size_t(m + r) * (p.K / XB);
     total[r] = _mm512_setzero_ps();
   }
   auto codes = reinterpret_cast<const __m512i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 8) {
-    __m512i sums[R];
-    for (int r = 0; r < R; r++) {
-      sums[r] = _mm512_setzero_si512();
-    }
-    for (int j = 0; j < 8; j++) {
-      __m512i w = _mm512_load_si512(codes + j);
-      for (int r = 0; r < R; r++) {
-        int four;
-        __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
-        sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(four));
-      }
-    }
     __m512 scale = _mm512_load_ps(panel.scales + (b >> shift) * PANEL_ROWS);
-    for (int r = 0; r < R; r++) {
-      __m512 d = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, total[r]);
+    if constexpr (XB == 32) {
+      __m512i sums[R];
+      for (int r = 0; r < R; r++) {
+        sums[r] = _mm512_setzero_si512();
+      }
+      for (int j = 0; j < 8; j++) {
+        __m512i w = _mm512_load_si512(codes + j);
+        for (int r = 0; r < R; r++) {
+          int four;
+          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+          sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(four));
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        __m512 d = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, total[r]);
+      }
+    } else {
+      __m512 block[R];
+      for (int r = 0; r < R; r++) {
+        block[r] = _mm512_setzero_ps();
+      }
+      for (int j = 0; j < 8; j++) {
+        __m512i w = _mm512_load_si512(codes + j);
+        for (int r = 0; r < R; r++) {
+          int four;
+          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+          __m512i sums =
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(four));
+          block[r] = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(sums), _mm512_set1_ps(xd[r][8 * b + j]), block[r]);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        total[r] = _mm512_fmadd_ps(block[r], scale, total[r]);
+      }
     }
   }
   for (int g = 0; g < groups; g++) {
@@ -283,28 +335,28 @@ inline void gemm_tile_512(
 }
 #endif
 
-template <int R>
+template <int XB, int R>
 inline void gemm_x_tile(const Problem& p, const Panel& panel, int m, int n, int count) {
 #if defined(QMM_DOT_AVX512VNNI) && GEMM_512
-  gemm_tile_512<R>(p, panel, m, n, count);
+  gemm_tile_512<XB, R>(p, panel, m, n, count);
 #else
-  gemm_tile<R>(p, panel, m, n, count);
+  gemm_tile<XB, R>(p, panel, m, n, count);
 #endif
 }
 
 // The rows of x from m on, fewer than R, in one tile.
-template <int R>
+template <int XB, int R>
 inline void gemm_rest(const Problem& p, const Panel& panel, int m, int n, int count) {
   if constexpr (R > 0) {
     if (p.M - m == R) {
-      gemm_x_tile<R>(p, panel, m, n, count);
+      gemm_x_tile<XB, R>(p, panel, m, n, count);
     } else {
-      gemm_rest<R - 1>(p, panel, m, n, count);
+      gemm_rest<XB, R - 1>(p, panel, m, n, count);
     }
   }
 }
 
-template <int BITS>
+template <int BITS, int XB>
 void int8_gemm(const Problem& p, int n0, int n1) {
   Panel panel = panel_room(p.K, p.K / p.group_size);
   for (int n = n0; n < n1; n += PANEL_ROWS) {
@@ -312,9 +364,18 @@ void int8_gemm(const Problem& p, int n0, int n1) {
     pack_panel<BITS>(p, n, count, panel);
     int m = 0;
     for (; m + GEMM_X_ROWS <= p.M; m += GEMM_X_ROWS) {
-      gemm_x_tile<GEMM_X_ROWS>(p, panel, m, n, count);
+      gemm_x_tile<XB, GEMM_X_ROWS>(p, panel, m, n, count);
     }
-    gemm_rest<GEMM_X_ROWS - 1>(p, panel, m, n, count);
+    gemm_rest<XB, GEMM_X_ROWS - 1>(p, panel, m, n, count);
+  }
+}
+
+template <int BITS>
+void int8_gemm_bits(const Problem& p, int n0, int n1) {
+  if (p.x_block == 32) {
+    int8_gemm<BITS, 32>(p, n0, n1);
+  } else {
+    int8_gemm<BITS, 4>(p, n0, n1);
   }
 }
 
@@ -322,9 +383,9 @@ void int8_gemm(const Problem& p, int n0, int n1) {
 
 void INT8_GEMM(const Problem& p, int n0, int n1) {
   if (p.bits == 4) {
-    int8_gemm<4>(p, n0, n1);
+    int8_gemm_bits<4>(p, n0, n1);
   } else if constexpr (DOTS_8BIT) {
-    int8_gemm<8>(p, n0, n1);
+    int8_gemm_bits<8>(p, n0, n1);
   } else {
     throw std::logic_error("[quantized_matmul] 8-bit weights take the float32 kernel");
   }

@@ -260,6 +260,12 @@ struct State {
   Kernels kernels = best_kernels();
   Pool pool;
   int rows_limit = 32;
+  // Rows of x from which int8 products take the GEMM, whose panels cost about
+  // one row kernel pass over the weights (x rounded per 32 values past
+  // rows_limit, per 4 as the row kernels round it up to there). On the default
+  // model's shapes it took 1.23-1.40x the int8 row kernels' time at 2 rows,
+  // 0.93-0.95x at 4, 0.57-0.73x at 8 and 0.53-0.61x at 16.
+  int gemm_rows = 4;
   // What x meets the weights as, up to rows_limit rows (the row kernels) and past
   // it (the int8 GEMM, or sgemm tiles). float32: the same logprobs whichever
   // kernel a row meets, so alone, batched and scored agree (cpu-kernels.md).
@@ -373,7 +379,11 @@ void compute(std::vector<Problem>& ps) {
   const std::string& activations = many ? s.prefill_activations : s.activations;
   bool int8 = activations == "int8" && k.rows_int8 != nullptr &&
       (first.bits == 4 || (first.bits == 8 && k.int8_for_8bit));
-  if (many && !(int8 && k.gemm_int8 != nullptr) && s.sgemm != nullptr) {
+  // Whether the int8 GEMM takes all of x's rows at once (it converts each weight
+  // panel once for them): a prompt's chunk, with a scale per 32 of x's values,
+  // and a batch's rows from gemm_rows on, rounded as the row kernels round them.
+  bool whole = int8 && first.M >= s.gemm_rows && k.gemm_int8 != nullptr;
+  if (many && !whole && s.sgemm != nullptr) {
     for (auto& p : ps) {
       compute_tiles(p, k);
     }
@@ -393,9 +403,6 @@ void compute(std::vector<Problem>& ps) {
   }
   RowsKernel rows = k.rows;
   size_t xd_row = first.K / first.group_size;
-  // Whether the kernel takes all of x's rows at once (the GEMM converts each
-  // weight panel once for them).
-  bool whole = false;
   if (activations == "int16" && k.rows_int16 != nullptr) {
     xd.resize(size_t(first.M) * xd_row);
     x16.resize(size_t(first.M) * first.K);
@@ -406,8 +413,7 @@ void compute(std::vector<Problem>& ps) {
   } else if (int8) {
     // A scale per 4 values for the row kernels, per 32 for the GEMM, and the
     // groups' sums of the rounded values.
-    whole = many && k.gemm_int8 != nullptr;
-    first.x_block = whole ? 32 : 4;
+    first.x_block = whole && many ? 32 : 4;
     xd_row = first.K / first.x_block;
     xd.resize(size_t(first.M) * xd_row);
     x8.resize(size_t(first.M) * first.K);
@@ -804,6 +810,7 @@ Settings settings() {
       s.kernels.isa,
       s.pool.size(),
       s.rows_limit,
+      s.gemm_rows,
       s.sgemm != nullptr,
       effective(s, s.activations, false),
       effective(s, s.prefill_activations, true)};
@@ -904,6 +911,12 @@ void set_threads(int threads) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.pool.resize(std::max(1, threads));
+}
+
+void set_gemm_rows(int rows) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.gemm_rows = std::max(1, rows);
 }
 
 void use_sgemm(bool use) {
