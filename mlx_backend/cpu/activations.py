@@ -31,7 +31,8 @@ INT8_MARGIN = 0.97
 DECODE_ROWS = (1, 16)
 PREFILL_ROWS = (256,)
 # How much of the model each side multiplies per measurement: a decode step's
-# products up to this many weight bytes, and a layer's for the prefill side.
+# products up to this many weight bytes (skipping any that would pass it), and a
+# layer's for the prefill side.
 DECODE_BYTES = 64 << 20
 ROUNDS = 5
 
@@ -69,17 +70,22 @@ def activations_setting(option: str, environ) -> tuple[str, str]:
 
 
 def kernel_products(model: nn.Module) -> list[tuple[str, tuple]]:
-    """The model's quantized products the kernels take, in order: their paths,
-    and (weight, scales, biases, group_size, bits)."""
-    products = []
+    """The model's quantized products the kernels take, in path order: their
+    paths, and (weight, scales, biases, group_size, bits). An embedding counts
+    only as the output layer (tied: no other product has its shape); otherwise
+    it only looks rows up."""
+    found = []
     for path, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and (
             runs_on_kernels(module)
         ):
             parts = ("weight", "scales", "biases")
             product = (*(module[k] for k in parts), module.group_size, module.bits)
-            products.append((path, product))
-    return sorted(products)
+            found.append((path, product, isinstance(module, nn.QuantizedEmbedding)))
+    shapes = [p[0].shape for _, p, lookup in found if not lookup]
+    return sorted(
+        (path, p) for path, p, lookup in found if not lookup or p[0].shape not in shapes
+    )
 
 
 def first_layer(products: list[tuple[str, tuple]]) -> list[tuple]:
@@ -95,7 +101,7 @@ def first_layer(products: list[tuple[str, tuple]]) -> list[tuple]:
 
 def time_products(qmm, products: list[tuple], rows: int, activations: str) -> float:
     """Seconds for ``products`` on ``rows`` rows of x under ``activations``, all
-    in one evaluation (the best of ROUNDS, interleaved by the caller)."""
+    in one evaluation."""
     qmm.set_activations(activations)
     xs = [
         mx.random.normal((rows, w.shape[1] * 32 // bits), key=mx.random.key(i))
@@ -107,27 +113,37 @@ def time_products(qmm, products: list[tuple], rows: int, activations: str) -> fl
     return time.perf_counter() - start
 
 
+def speed_ratio(qmm, products: list[tuple], rows: int) -> float:
+    """int8's time over float32's on ``products`` at ``rows`` rows: the best of
+    ROUNDS each, the two interleaved."""
+    best = {"float32": float("inf"), "int8": float("inf")}
+    for _ in range(ROUNDS):
+        for activations in best:
+            seconds = time_products(qmm, products, rows, activations)
+            best[activations] = min(best[activations], seconds)
+    return best["int8"] / best["float32"]
+
+
 def measure(qmm, model: nn.Module) -> tuple[float, float]:
-    """int8's time over float32's on the model's decode and prefill products."""
+    """int8's time over float32's on the model's decode products (the mean of
+    its ratios at DECODE_ROWS, so one stream counts as much as a batch) and on
+    its first block at PREFILL_ROWS."""
     products = kernel_products(model)
     decode, held = [], 0
     for _, p in products:
-        if held + sum(a.nbytes for a in p[:3]) > DECODE_BYTES and decode:
-            break
-        decode.append(p)
-        held += sum(a.nbytes for a in p[:3])
+        size = sum(a.nbytes for a in p[:3])
+        if held + size <= DECODE_BYTES or not decode:
+            decode.append(p)
+            held += size
     prefill = first_layer(products)
-    sides = {"decode": (decode, DECODE_ROWS), "prefill": (prefill, PREFILL_ROWS)}
-    ratios = []
-    for name, (chosen, rows_list) in sides.items():
-        best = {"float32": float("inf"), "int8": float("inf")}
-        for _ in range(ROUNDS):
-            for activations in best:
-                seconds = sum(
-                    time_products(qmm, chosen, rows, activations) for rows in rows_list
-                )
-                best[activations] = min(best[activations], seconds)
-        ratios.append(best["int8"] / best["float32"])
+    settings = qmm.settings()
+    try:
+        ratios = [
+            sum(speed_ratio(qmm, chosen, rows) for rows in counts) / len(counts)
+            for chosen, counts in ((decode, DECODE_ROWS), (prefill, PREFILL_ROWS))
+        ]
+    finally:
+        qmm.set_activations(settings["activations"], settings["prefill_activations"])
     return ratios[0], ratios[1]
 
 

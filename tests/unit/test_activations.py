@@ -21,7 +21,7 @@ from mlx_backend.errors import FailedPrecondition
 from python_utils import parse_options
 
 
-def quantized_llama() -> nn.Module:
+def quantized_llama(tie: bool = False) -> nn.Module:
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=128,
@@ -31,7 +31,7 @@ def quantized_llama() -> nn.Module:
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
         vocab_size=96,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
     )
     model = llama.Model(args)
     nn.quantize(model, group_size=32, bits=4)
@@ -61,8 +61,12 @@ def test_the_measured_products_are_the_models_own():
     model = quantized_llama()
     products = kernel_products(model)
     paths = [path for path, _ in products]
-    # Embedding, head, and each layer's seven projections.
-    assert len(products) == 2 + 2 * 7 and paths == sorted(paths)
+    # The head and each layer's seven projections; the untied embedding only
+    # looks rows up.
+    assert len(products) == 1 + 2 * 7 and paths == sorted(paths)
+    assert "model.embed_tokens" not in paths and "lm_head" in paths
+    tied = quantized_llama(tie=True)
+    assert "model.embed_tokens" in [path for path, _ in kernel_products(tied)]
     block = first_layer(products)
     expected = [p for path, p in products if path.startswith("model.layers.0.")]
     assert len(block) == 7 and all(a is b for a, b in zip(block, expected))

@@ -192,6 +192,8 @@ def test_threads_give_the_same_products(qmm):
     for threads in (1, 2, 3):
         qmm.set_threads(threads)
         products.append(qmm.quantized_matmul(x, wq, scales, biases, 32, 4))
+        # Evaluated under the setting (MLX is lazy).
+        mx.eval(products[-1])
     assert qmm.settings()["threads"] == 3
     qmm.set_threads(2)
     # Each output is one thread's work, summed in the same order.
@@ -309,13 +311,19 @@ def tiny_quantized_model(bits: int = 4, group_size: int = 32) -> nn.Module:
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_sibling_products_in_one_call_match_each_alone(qmm, rows, activations):
-    # q, k and v of the default model's shapes; 40 rows go to sgemm tiles.
+    # q, k and v of the default model's shapes; 5 rows go to the int8 GEMM under
+    # int8, 40 to sgemm tiles or (int8) the GEMM.
     weights = [quantized(n, 576, 4, 32, mx.float16, 30 + n) for n in (576, 192, 192)]
     x = mx.random.normal((rows, 576), key=mx.random.key(31))
     qmm.set_activations(activations)
     together = qmm.quantized_matmuls(x, *zip(*weights), 32, 4)
     alone = [qmm.quantized_matmul(x, *w, 32, 4) for w in weights]
+    # Evaluated under the setting (MLX is lazy).
+    mx.eval(together, alone)
     qmm.set_activations("float32")
+    # int8 moved them (the setting was in effect).
+    float32 = qmm.quantized_matmul(x, *weights[0], 32, 4)
+    assert mx.array_equal(together[0], float32) == (activations == "float32")
     assert [y.shape for y in together] == [(rows, 576), (rows, 192), (rows, 192)]
     # The same kernels over the same rows, summed in the same order.
     assert all(mx.array_equal(a, b) for a, b in zip(together, alone))

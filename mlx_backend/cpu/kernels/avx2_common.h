@@ -142,21 +142,36 @@ inline void store_rows(
   }
 }
 
+// A thread's scratch (thread_local), freed when the thread ends: the pool's
+// workers are made again at each set_threads.
+struct Room {
+  char* data = nullptr;
+  std::size_t size = 0;
+
+  char* reserve(std::size_t need) {
+    if (need > size) {
+      delete[] data;
+      data = new char[need];
+      size = need;
+    }
+    return data;
+  }
+
+  ~Room() {
+    delete[] data;
+  }
+};
+
 // Room for a weight row's scales and biases as float32, rounded up to 8 (the
 // calling thread's, kept between calls; plain pointers, since a thread_local
 // reached from a loop costs a TLS lookup a row). No std::vector: its members are
 // shared across the library's files, and one built here with AVX-512's flags
 // could be the copy that a CPU without them runs.
 inline std::pair<float*, float*> row_scale_room(int groups) {
-  thread_local float* room = nullptr;
-  thread_local int capacity = 0;
+  thread_local Room room;
   int each = groups + 8;
-  if (2 * each > capacity) {
-    delete[] room;
-    room = new float[2 * each];
-    capacity = 2 * each;
-  }
-  return {room, room + each};
+  auto scales = reinterpret_cast<float*>(room.reserve(2 * each * sizeof(float)));
+  return {scales, scales + each};
 }
 
 // tile.operator()<R>(m) over rows m..M of x: tiles of 4, then the 1 to 3 rows

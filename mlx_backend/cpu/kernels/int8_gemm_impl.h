@@ -9,8 +9,9 @@
 // end. Written once and built for each instruction set by the file that
 // includes it, beside the row kernel (int8_rows_impl.h, whose dot product and
 // code layout it shares); it defines INT8_GEMM(const Problem&, int n0, int n1).
-// The panel is converted once for all of x's rows, so this pays from about 32
-// rows (compute() sends fewer to the row kernel).
+// The panel is converted once for all of x's rows, about one row kernel pass
+// over the weights, so this pays from about 4 rows (compute()'s gemm_rows). From
+// there to rows_limit x comes rounded per 4 values, as the row kernels take it.
 #pragma once
 
 #include <immintrin.h>
@@ -33,9 +34,10 @@ namespace {
 // Weight rows a panel holds: two vectors of 8 int32 lanes.
 constexpr int PANEL_ROWS = 16;
 
-// Rows of x a tile takes: their two int and two float accumulators each fit
-// AVX-512's 32 vector registers at 6, AVX2's 16 at 2 (maddubs needs a constant
-// and a scratch register more than dpbusd).
+// Rows of x a tile takes: their accumulators fit AVX-512's 32 vector registers
+// at 8 (one int and one float vector each on 512 bits), AVX2's 16 at 3 and 2
+// (two of each on 256 bits; maddubs needs a constant and a scratch register more
+// than dpbusd).
 #if defined(QMM_DOT_AVX512VNNI)
 constexpr int GEMM_X_ROWS = GEMM_ROWS_512;
 #elif defined(QMM_DOT_AVXVNNI)
@@ -78,18 +80,13 @@ struct Panel {
 // The calling thread's panel room for K inputs in `groups` groups (kept between
 // calls, as row_scale_room).
 inline Panel panel_room(int K, int groups) {
-  thread_local char* room = nullptr;
-  thread_local std::size_t capacity = 0;
+  thread_local Room room;
   std::size_t codes = std::size_t(K) * PANEL_ROWS;
   std::size_t values = std::size_t(groups) * PANEL_ROWS * sizeof(float);
-  std::size_t need = codes + 2 * values + 64;
-  if (need > capacity) {
-    delete[] room;
-    room = new char[need];
-    capacity = need;
-  }
+  char* data = room.reserve(codes + 2 * values + 64);
   // Each part 64-byte aligned (codes and values are multiples of 64 bytes).
-  auto base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(room) + 63) & ~63);
+  auto base =
+      reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(data) + 63) & ~63);
   return {
       reinterpret_cast<uint8_t*>(base),
       reinterpret_cast<float*>(base + codes),

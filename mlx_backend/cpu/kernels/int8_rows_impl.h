@@ -305,6 +305,9 @@ void int8_rows(const Problem& p, int n0, int n1) {
 } // namespace
 
 void INT8_ROWS(const Problem& p, int n0, int n1) {
+  if (p.x_block != 4) {
+    throw std::logic_error("[quantized_matmul] the int8 row kernels take x_block 4");
+  }
   if (p.bits == 4) {
     int8_rows<4>(p, n0, n1);
   } else if constexpr (DOTS_8BIT) {

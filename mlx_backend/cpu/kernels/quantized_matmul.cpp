@@ -792,8 +792,10 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(
 // the setting where they have its kernel, else float32.
 std::string effective(const State& s, const std::string& activations, bool many) {
   const Kernels& k = s.kernels;
+  // (8-bit weights on AVX2 stay on float32: this names what 4-bit ones meet.)
+  bool gemm = k.gemm_int8 != nullptr && s.gemm_rows <= s.rows_limit + 1;
   if (activations == "int8" && k.rows_int8 != nullptr &&
-      (!many || k.gemm_int8 != nullptr || s.sgemm == nullptr)) {
+      (!many || gemm || s.sgemm == nullptr)) {
     return "int8";
   }
   if (activations == "int16" && k.rows_int16 != nullptr &&
