@@ -554,6 +554,36 @@ inline void attend_block(
   block_all_values<R>(s, values, v_stride, most, c, out, rows[0].value_dims);
 }
 
+// Rows of an attention tile: AVX-512's registers hold 8 rows' scores of a block
+// and their values' sums, AVX2's 3. (Against tiles of 3 on AVX-512, 6 rows
+// prefilled a 4096-token prompt 1.17-1.30x as fast; 8 rows matched 6 or beat it.)
+#if defined(__AVX512F__)
+constexpr int ATTENTION_TILE = 8;
+#else
+constexpr int ATTENTION_TILE = 3;
+#endif
+
+// attend_block for a tile of `group` rows (1 to R).
+template <int R>
+inline void attend_tile(
+    int group,
+    const AttentionRow* rows,
+    const int* seen,
+    int j0,
+    const float* kt,
+    const float* values,
+    int64_t v_stride,
+    float* top,
+    float* total) {
+  if constexpr (R > 0) {
+    if (group == R) {
+      attend_block<R>(rows, seen, j0, kt, values, v_stride, top, total);
+    } else {
+      attend_tile<R - 1>(group, rows, seen, j0, kt, values, v_stride, top, total);
+    }
+  }
+}
+
 void attention_rows(const AttentionRow* rows, int count, float* scratch) {
   const AttentionRow& first = rows[0];
   int dims = first.dims, value_dims = first.value_dims;
@@ -678,32 +708,32 @@ void attention_rows(const AttentionRow* rows, int count, float* scratch) {
       transpose_block(
           reinterpret_cast<const float*>(k), first.k_stride, n, dims, kt);
     }
-    // Rows in pairs where both see keys of this block, the last three together
-    // (one row alone keeps half the FMA units idle), else alone.
+    // Rows in tiles where all see keys of this block (one row alone keeps half the
+    // FMA units idle): AVX2's 16 registers take pairs, the last three together;
+    // AVX-512's 32 take up to 8 (each loaded key serves them all). A row's sums
+    // run in the same order in any tile.
     // The keys of this block a row sees: none where its window starts later.
     auto sees = [&](const AttentionRow& row) {
       return row.first_key < j0 + n ? std::min(n, row.keys - j0) : 0;
     };
     for (int r = 0; r < count;) {
-      int seen[3] = {sees(rows[r]), 0, 0};
+      int seen[ATTENTION_TILE] = {sees(rows[r])};
       if (seen[0] <= 0) {
         r++;
         continue;
       }
-      int want = count - r == 3 ? 3 : 2, group = 1;
+      int want = ATTENTION_TILE > 3 ? std::min(ATTENTION_TILE, count - r)
+          : count - r == 3         ? 3
+                                   : 2;
+      int group = 1;
       for (; group < want && r + group < count; group++) {
         seen[group] = sees(rows[r + group]);
         if (seen[group] <= 0) {
           break;
         }
       }
-      if (group == 3) {
-        attend_block<3>(rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
-      } else if (group == 2) {
-        attend_block<2>(rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
-      } else {
-        attend_block<1>(rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
-      }
+      attend_tile<ATTENTION_TILE>(
+          group, rows + r, seen, j0, kt, values, v_stride, top + r, total + r);
       r += group;
     }
   }
