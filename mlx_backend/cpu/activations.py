@@ -34,6 +34,10 @@ PREFILL_ROWS = (256,)
 # products up to this many weight bytes (skipping any that would pass it), and a
 # layer's for the prefill side.
 DECODE_BYTES = 64 << 20
+# Multiply-adds a prefill measurement may take a round: the first block's
+# products in order up to this (at least one), so that a large model's load
+# spends about a second, not a block's worth of prompt, on it.
+PREFILL_WORK = 2e9
 ROUNDS = 5
 
 
@@ -135,7 +139,12 @@ def measure(qmm, model: nn.Module) -> tuple[float, float]:
         if held + size <= DECODE_BYTES or not decode:
             decode.append(p)
             held += size
-    prefill = first_layer(products)
+    prefill, work = [], 0.0
+    for p in first_layer(products):
+        macs = float(p[0].size) * 32 / p[4] * max(PREFILL_ROWS)
+        if work + macs <= PREFILL_WORK or not prefill:
+            prefill.append(p)
+            work += macs
     settings = qmm.settings()
     try:
         ratios = [

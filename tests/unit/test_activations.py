@@ -74,6 +74,27 @@ def test_the_measured_products_are_the_models_own():
     assert len(first_layer(kernel_products(flat))) == 2
 
 
+def test_the_measurement_keeps_to_its_budgets(qmm, monkeypatch):
+    """Each side's products fit its budget (a large model's load spends about a
+    second on the measurement), and always at least one."""
+    model = quantized_llama()
+    timed = []
+    monkeypatch.setattr(
+        activations,
+        "speed_ratio",
+        lambda qmm, products, rows: timed.append((rows, products)) or 1.0,
+    )
+    activations.measure(qmm, model)
+    decode = [p for rows, p in timed if rows == 1][0]
+    prefill = [p for rows, p in timed if rows == 256][0]
+    assert len(decode) == 15 and len(prefill) == 7
+    monkeypatch.setattr(activations, "DECODE_BYTES", 1)
+    monkeypatch.setattr(activations, "PREFILL_WORK", 1)
+    timed.clear()
+    activations.measure(qmm, model)
+    assert [len(p) for _, p in timed] == [1, 1, 1]
+
+
 def test_a_pinned_choice_sets_both_sides(qmm):
     for mode in ("int8", "float32"):
         chosen = choose_activations(qmm, quantized_llama(), mode, {})
