@@ -25,12 +25,6 @@ namespace qmm {
 
 namespace {
 
-#ifndef GEMM_512
-#define GEMM_512 1
-#endif
-#ifndef GEMM_ROWS_512
-#define GEMM_ROWS_512 8
-#endif
 // Weight rows a panel holds: two vectors of 8 int32 lanes.
 constexpr int PANEL_ROWS = 16;
 
@@ -39,7 +33,7 @@ constexpr int PANEL_ROWS = 16;
 // (two of each on 256 bits; maddubs needs a constant and a scratch register more
 // than dpbusd).
 #if defined(QMM_DOT_AVX512VNNI)
-constexpr int GEMM_X_ROWS = GEMM_ROWS_512;
+constexpr int GEMM_X_ROWS = 8;
 #elif defined(QMM_DOT_AVXVNNI)
 constexpr int GEMM_X_ROWS = 3;
 #else
@@ -334,7 +328,7 @@ inline void gemm_tile_512(
 
 template <int XB, int R>
 inline void gemm_x_tile(const Problem& p, const Panel& panel, int m, int n, int count) {
-#if defined(QMM_DOT_AVX512VNNI) && GEMM_512
+#if defined(QMM_DOT_AVX512VNNI)
   gemm_tile_512<XB, R>(p, panel, m, n, count);
 #else
   gemm_tile<XB, R>(p, panel, m, n, count);
