@@ -87,7 +87,7 @@ class LoadOptions:
     # measures faster at load, decoding and prefilling apart; the host's
     # MLX_BACKEND_KERNEL_ACTIVATIONS may pin it), "float32" x, or x rounded per
     # group to "int16" (logprobs move by up to 0.004) or to "int8" (integer dot
-    # products; a mean KL of about 0.0004 decoding, 0.003 prefilling, on the
+    # products; a mean KL of about 0.0004 decoding, 0.0008 prefilling, on the
     # default model), docs/cpu-kernels.md.
     kernel_activations: str = "auto"
     # Embedding: how the final hidden states are pooled ("mean" or "last").

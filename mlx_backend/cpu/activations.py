@@ -6,7 +6,7 @@ kernels) and for a prompt's many (the int8 GEMM against sgemm tiles) apart.
 ``MLX_BACKEND_KERNEL_ACTIVATIONS`` if set, else measures the model's own products
 both ways at load and takes int8 wherever it is faster by ``INT8_MARGIN``. Rounding
 x moves the next-token distributions a little (mean KL about 0.0004 on the row
-kernels and 0.003 on the GEMM on the default model, docs/cpu-kernels.md).
+kernels and 0.0008 on a prompt's GEMM on the default model, docs/cpu-kernels.md).
 """
 
 import logging

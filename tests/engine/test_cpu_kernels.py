@@ -122,7 +122,7 @@ def test_the_engine_serves_on_the_kernels_and_reports_them():
 
 # A fixed text for the next-token distributions (the default model's own
 # domain: plain English); chunks of 16 tokens stay on the row kernels (x scaled
-# per 4 values), chunks of 36 take the GEMM (per 32).
+# per 4 values), chunks of 36 take the GEMM (per 8).
 KL_TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, and every evening "
     "the keeper climbed its ninety steps to light the lamp. Ships passed far out "
@@ -134,8 +134,8 @@ CHUNKS = (16, 36)
 
 
 def test_int8_activations_keep_the_next_token_distributions():
-    """x rounded to int8 (a scale per 4 values on the row kernels, per 32 on the
-    GEMM, the biases meeting the rounded sums): over a fixed text, read in
+    """x rounded to int8 (a scale per 4 values on the row kernels, per 8 on a
+    prompt's GEMM, the biases meeting the rounded sums): over a fixed text, read in
     chunks that take either, the mean KL divergence from the float32 kernels'
     next-token distributions stays within 0.005 and the perplexity within 0.5%,
     as llama.cpp's --kl-divergence judges quantized inference; the load option

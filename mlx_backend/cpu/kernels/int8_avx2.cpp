@@ -51,6 +51,9 @@ void quantize_int8_avx2(
     int8_t* xq,
     float* xs,
     float* xsum) {
+  if (p.x_block != 4 && p.x_block != 8) {
+    throw std::logic_error("[quantized_matmul] x is rounded per 4 or 8 values");
+  }
   int groups = p.K / p.group_size;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -72,21 +75,17 @@ void quantize_int8_avx2(
       }
       __m256i values[4];
       __m256 total = _mm256_setzero_ps();
-      if (p.x_block == 32) {
-        __m256 amax = _mm256_setzero_ps();
+      if (p.x_block == 8) {
+        // Each vector is one block.
         for (int j = 0; j < 4; j++) {
-          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+          float top = horizontal_max(_mm256_andnot_ps(sign, v[j]));
+          values[j] = _mm256_cvtps_epi32(
+              _mm256_mul_ps(v[j], inverse_step(_mm256_set1_ps(top))));
+          float step = top / 127.0f;
+          scales[(k0 + 8 * j) / 8] = step;
+          total = _mm256_fmadd_ps(
+              _mm256_set1_ps(step), _mm256_cvtepi32_ps(values[j]), total);
         }
-        float top = horizontal_max(amax);
-        __m256 inverse = inverse_step(_mm256_set1_ps(top));
-        __m256i lanes = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-          values[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
-          lanes = _mm256_add_epi32(lanes, values[j]);
-        }
-        float step = top / 127.0f;
-        scales[k0 / 32] = step;
-        total = _mm256_mul_ps(_mm256_set1_ps(step), _mm256_cvtepi32_ps(lanes));
       } else {
         // x_block 4: each 128-bit lane is one block, its max spread over it.
         for (int j = 0; j < 4; j++) {

@@ -1,17 +1,18 @@
 // The int8 GEMM for many rows of x (a prompt's chunk): weight rows go 16 at a
 // time into a panel of unsigned int8 codes interleaved by 4 (each 4 values of
 // row i at int32 lane i of a step's two vectors), and x's rows, rounded to int8
-// with a scale per block of 32 (quantize_int8 with a block of 32), meet the
+// with a scale per 8 or 4 values (quantize_int8's x_block), meet the
 // panel in tiles of GEMM_X_ROWS: each step broadcasts 4 of a row's values
-// against the 16 rows' codes, so no lane ever needs a horizontal sum. A block's
-// int32 sums are converted and scaled once (x's block scale times the group's
-// weight scales), and the biases meet the groups' sums of the rounded x at the
-// end. Written once and built for each instruction set by the file that
+// against the 16 rows' codes, so no lane ever needs a horizontal sum. The int32
+// sums of the steps that share one of x's scales are converted and scaled once,
+// a block's meet the group's weight scales once, and the biases meet the
+// groups' sums of the rounded x at the end. Written once and built for each instruction set by the file that
 // includes it, beside the row kernel (int8_rows_impl.h, whose dot product and
 // code layout it shares); it defines INT8_GEMM(const Problem&, int n0, int n1).
 // The panel is converted once for all of x's rows, about one row kernel pass
 // over the weights, so this pays from about 4 rows (compute()'s gemm_rows). From
-// there to rows_limit x comes rounded per 4 values, as the row kernels take it.
+// there to rows_limit x comes rounded per 4 values, as the row kernels take it,
+// and past it per 8.
 #pragma once
 
 #include <immintrin.h>
@@ -147,9 +148,10 @@ inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
 }
 
 // Rows m..m + R of x against the panel of weight rows n..n + count, x with a
-// scale per XB values: 32 (a prompt's chunk: a block's sums convert once) or 4
-// (a batch's rows, rounded as the row kernels round them: each step's sums
-// convert and meet their 4 values' scale, then the block's meet the weights').
+// scale per XB values: 8 (a prompt's chunk: each two steps' sums convert
+// once) or 4 (a batch's rows, rounded as the row kernels round them: each
+// step's sums convert and meet their 4 values' scale); then a block's meet the
+// weights' scales.
 template <int XB, int R>
 inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int count) {
   int blocks = p.K / 32;
@@ -168,59 +170,39 @@ inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int co
     const float* scales = panel.scales + (b >> shift) * PANEL_ROWS;
     __m256 low_scale = _mm256_load_ps(scales);
     __m256 high_scale = _mm256_load_ps(scales + 8);
-    if constexpr (XB == 32) {
+    // Steps that share one of x's scales.
+    constexpr int STEPS = XB / 4;
+    __m256 block[R][2];
+    for (int r = 0; r < R; r++) {
+      block[r][0] = block[r][1] = _mm256_setzero_ps();
+    }
+    for (int j = 0; j < 8; j += STEPS) {
       __m256i sums[R][2];
       for (int r = 0; r < R; r++) {
         sums[r][0] = sums[r][1] = _mm256_setzero_si256();
       }
-      for (int j = 0; j < 8; j++) {
-        __m256i low = _mm256_load_si256(codes + 2 * j);
-        __m256i high = _mm256_load_si256(codes + 2 * j + 1);
+      for (int t = j; t < j + STEPS; t++) {
+        __m256i low = _mm256_load_si256(codes + 2 * t);
+        __m256i high = _mm256_load_si256(codes + 2 * t + 1);
         for (int r = 0; r < R; r++) {
           int four;
-          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * t, 4);
           __m256i x = _mm256_set1_epi32(four);
           sums[r][0] = block_dot(sums[r][0], low, x);
           sums[r][1] = block_dot(sums[r][1], high, x);
         }
       }
       for (int r = 0; r < R; r++) {
-        __m256 d = _mm256_set1_ps(xd[r][b]);
-        total[r][0] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(block_sums(sums[r][0])),
-            _mm256_mul_ps(low_scale, d),
-            total[r][0]);
-        total[r][1] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(block_sums(sums[r][1])),
-            _mm256_mul_ps(high_scale, d),
-            total[r][1]);
+        __m256 d = _mm256_set1_ps(xd[r][(8 * b + j) / STEPS]);
+        block[r][0] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums[r][0])), d, block[r][0]);
+        block[r][1] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums[r][1])), d, block[r][1]);
       }
-    } else {
-      __m256 block[R][2];
-      for (int r = 0; r < R; r++) {
-        block[r][0] = block[r][1] = _mm256_setzero_ps();
-      }
-      for (int j = 0; j < 8; j++) {
-        __m256i low = _mm256_load_si256(codes + 2 * j);
-        __m256i high = _mm256_load_si256(codes + 2 * j + 1);
-        const __m256i zero = _mm256_setzero_si256();
-        for (int r = 0; r < R; r++) {
-          int four;
-          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
-          __m256i x = _mm256_set1_epi32(four);
-          __m256 d = _mm256_set1_ps(xd[r][8 * b + j]);
-          block[r][0] = _mm256_fmadd_ps(
-              _mm256_cvtepi32_ps(block_sums(block_dot(zero, low, x))), d, block[r][0]);
-          block[r][1] = _mm256_fmadd_ps(
-              _mm256_cvtepi32_ps(block_sums(block_dot(zero, high, x))),
-              d,
-              block[r][1]);
-        }
-      }
-      for (int r = 0; r < R; r++) {
-        total[r][0] = _mm256_fmadd_ps(block[r][0], low_scale, total[r][0]);
-        total[r][1] = _mm256_fmadd_ps(block[r][1], high_scale, total[r][1]);
-      }
+    }
+    for (int r = 0; r < R; r++) {
+      total[r][0] = _mm256_fmadd_ps(block[r][0], low_scale, total[r][0]);
+      total[r][1] = _mm256_fmadd_ps(block[r][1], high_scale, total[r][1]);
     }
   }
   // The biases meet the groups' sums of the rounded x.
@@ -274,42 +256,31 @@ inline void gemm_tile_512(
   auto codes = reinterpret_cast<const __m512i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 8) {
     __m512 scale = _mm512_load_ps(panel.scales + (b >> shift) * PANEL_ROWS);
-    if constexpr (XB == 32) {
+    constexpr int STEPS = XB / 4;
+    __m512 block[R];
+    for (int r = 0; r < R; r++) {
+      block[r] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < 8; j += STEPS) {
       __m512i sums[R];
       for (int r = 0; r < R; r++) {
         sums[r] = _mm512_setzero_si512();
       }
-      for (int j = 0; j < 8; j++) {
-        __m512i w = _mm512_load_si512(codes + j);
+      for (int t = j; t < j + STEPS; t++) {
+        __m512i w = _mm512_load_si512(codes + t);
         for (int r = 0; r < R; r++) {
           int four;
-          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
+          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * t, 4);
           sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(four));
         }
       }
       for (int r = 0; r < R; r++) {
-        __m512 d = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
-        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, total[r]);
+        __m512 d = _mm512_set1_ps(xd[r][(8 * b + j) / STEPS]);
+        block[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, block[r]);
       }
-    } else {
-      __m512 block[R];
-      for (int r = 0; r < R; r++) {
-        block[r] = _mm512_setzero_ps();
-      }
-      for (int j = 0; j < 8; j++) {
-        __m512i w = _mm512_load_si512(codes + j);
-        for (int r = 0; r < R; r++) {
-          int four;
-          __builtin_memcpy(&four, xq[r] + 32 * b + 4 * j, 4);
-          __m512i sums =
-              _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(four));
-          block[r] = _mm512_fmadd_ps(
-              _mm512_cvtepi32_ps(sums), _mm512_set1_ps(xd[r][8 * b + j]), block[r]);
-        }
-      }
-      for (int r = 0; r < R; r++) {
-        total[r] = _mm512_fmadd_ps(block[r], scale, total[r]);
-      }
+    }
+    for (int r = 0; r < R; r++) {
+      total[r] = _mm512_fmadd_ps(block[r], scale, total[r]);
     }
   }
   for (int g = 0; g < groups; g++) {
@@ -363,8 +334,8 @@ void int8_gemm(const Problem& p, int n0, int n1) {
 
 template <int BITS>
 void int8_gemm_bits(const Problem& p, int n0, int n1) {
-  if (p.x_block == 32) {
-    int8_gemm<BITS, 32>(p, n0, n1);
+  if (p.x_block == 8) {
+    int8_gemm<BITS, 8>(p, n0, n1);
   } else {
     int8_gemm<BITS, 4>(p, n0, n1);
   }
