@@ -128,23 +128,30 @@ def speed_ratio(qmm, products: list[tuple], rows: int) -> float:
     return best["int8"] / best["float32"]
 
 
+def up_to(products: list[tuple], cost, budget: float) -> list[tuple]:
+    """``products`` in order, skipping any that would take the total ``cost``
+    past ``budget``; the first always."""
+    chosen, spent = [], 0.0
+    for p in products:
+        if spent + cost(p) <= budget or not chosen:
+            chosen.append(p)
+            spent += cost(p)
+    return chosen
+
+
 def measure(qmm, model: nn.Module) -> tuple[float, float]:
     """int8's time over float32's on the model's decode products (the mean of
     its ratios at DECODE_ROWS, so one stream counts as much as a batch) and on
     its first block at PREFILL_ROWS."""
     products = kernel_products(model)
-    decode, held = [], 0
-    for _, p in products:
-        size = sum(a.nbytes for a in p[:3])
-        if held + size <= DECODE_BYTES or not decode:
-            decode.append(p)
-            held += size
-    prefill, work = [], 0.0
-    for p in first_layer(products):
-        macs = float(p[0].size) * 32 / p[4] * max(PREFILL_ROWS)
-        if work + macs <= PREFILL_WORK or not prefill:
-            prefill.append(p)
-            work += macs
+    decode = up_to(
+        [p for _, p in products], lambda p: sum(a.nbytes for a in p[:3]), DECODE_BYTES
+    )
+    prefill = up_to(
+        first_layer(products),
+        lambda p: float(p[0].size) * 32 / p[4] * max(PREFILL_ROWS),
+        PREFILL_WORK,
+    )
     settings = qmm.settings()
     try:
         ratios = [

@@ -5,7 +5,6 @@ apart; and what the kernels then run."""
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models import llama
 
 from mlx_backend.cpu import activations
 from mlx_backend.cpu.activations import (
@@ -19,24 +18,7 @@ from mlx_backend.cpu.activations import (
 from mlx_backend.cpu.compute_path import prepare_for_cpu
 from mlx_backend.errors import FailedPrecondition
 from python_utils import parse_options
-
-
-def quantized_llama(tie: bool = False) -> nn.Module:
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=96,
-        tie_word_embeddings=tie,
-    )
-    model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
+from tests.tiny_models import tiny_quantized_llama
 
 
 def test_the_option_then_the_host_then_auto():
@@ -58,14 +40,14 @@ def test_the_option_then_the_host_then_auto():
 
 
 def test_the_measured_products_are_the_models_own():
-    model = quantized_llama()
+    model = tiny_quantized_llama(tie=False)
     products = kernel_products(model)
     paths = [path for path, _ in products]
     # The head and each layer's seven projections; the untied embedding only
     # looks rows up.
     assert len(products) == 1 + 2 * 7 and paths == sorted(paths)
     assert "model.embed_tokens" not in paths and "lm_head" in paths
-    tied = quantized_llama(tie=True)
+    tied = tiny_quantized_llama(tie=True)
     assert "model.embed_tokens" in [path for path, _ in kernel_products(tied)]
     block = first_layer(products)
     expected = [p for path, p in products if path.startswith("model.layers.0.")]
@@ -77,7 +59,7 @@ def test_the_measured_products_are_the_models_own():
 def test_the_measurement_keeps_to_its_budgets(qmm, monkeypatch):
     """Each side's products fit its budget (a large model's load spends about a
     second on the measurement), and always at least one."""
-    model = quantized_llama()
+    model = tiny_quantized_llama(tie=False)
     timed = []
     monkeypatch.setattr(
         activations,
@@ -97,7 +79,7 @@ def test_the_measurement_keeps_to_its_budgets(qmm, monkeypatch):
 
 def test_a_pinned_choice_sets_both_sides(qmm):
     for mode in ("int8", "float32"):
-        chosen = choose_activations(qmm, quantized_llama(), mode, {})
+        chosen = choose_activations(qmm, tiny_quantized_llama(tie=False), mode, {})
         assert (chosen.decode, chosen.prefill) == (mode, mode)
         assert chosen.measured is None and chosen.reason == f"kernel_activations:{mode}"
         settings = qmm.settings()
@@ -105,12 +87,14 @@ def test_a_pinned_choice_sets_both_sides(qmm):
             mode,
             mode,
         )
-    host = choose_activations(qmm, quantized_llama(), "auto", {ACTIVATIONS_ENV: "int8"})
+    host = choose_activations(
+        qmm, tiny_quantized_llama(tie=False), "auto", {ACTIVATIONS_ENV: "int8"}
+    )
     assert host.decode == "int8" and host.reason == f"{ACTIVATIONS_ENV}=int8"
 
 
 def test_auto_measures_each_side_and_takes_int8_where_it_wins(qmm, monkeypatch):
-    model = quantized_llama()
+    model = tiny_quantized_llama(tie=False)
     chosen = choose_activations(qmm, model, "auto", {})
     decode, prefill = chosen.measured
     assert decode > 0 and prefill > 0 and chosen.reason == "auto, measured"
@@ -143,7 +127,9 @@ def test_auto_measures_each_side_and_takes_int8_where_it_wins(qmm, monkeypatch):
 
 def test_a_draft_model_keeps_the_models_choice(qmm):
     qmm.set_activations("float32", "int8")
-    _, path = prepare_for_cpu(quantized_llama(), None, None, activations=None)
+    _, path = prepare_for_cpu(
+        tiny_quantized_llama(tie=False), None, None, activations=None
+    )
     assert "float32 activations" in path.description
     assert qmm.settings()["prefill_activations"] == "int8"
     qmm.set_activations("float32")

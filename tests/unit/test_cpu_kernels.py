@@ -9,10 +9,10 @@ from itertools import product
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models import llama
 
 from mlx_backend.cpu import compute_path, kernels
 from mlx_backend.cpu.compute_path import prepare_for_cpu
+from tests.tiny_models import tiny_quantized_llama
 
 FLOAT32_EPS = 2.0**-24
 
@@ -327,23 +327,6 @@ def test_sibling_products_in_one_call_match_each_alone(qmm, rows, activations):
     assert [y.shape for y in together] == [(rows, 576), (rows, 192), (rows, 192)]
     # The same kernels over the same rows, summed in the same order.
     assert all(mx.array_equal(a, b) for a, b in zip(together, alone))
-
-
-def tiny_quantized_llama() -> nn.Module:
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=50,
-    )
-    model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
 
 
 def test_siblings_share_one_call_and_stop_when_a_family_calls_them_apart(qmm):

@@ -54,7 +54,6 @@ NB_MODULE(_qmm, m) {
     d["isa"] = s.isa;
     d["threads"] = s.threads;
     d["rows_limit"] = s.rows_limit;
-    d["gemm_rows"] = s.gemm_rows;
     d["sgemm"] = s.sgemm;
     d["activations"] = s.activations;
     d["prefill_activations"] = s.prefill_activations;
@@ -75,7 +74,6 @@ NB_MODULE(_qmm, m) {
       nb::call_guard<nb::gil_scoped_release>(),
       "GB/s the kernels' threads read memory at.");
   m.def("use_sgemm", &qmm::use_sgemm, "use"_a);
-  m.def("set_gemm_rows", &qmm::set_gemm_rows, "rows"_a);
   m.def("set_isa", &qmm::set_isa, "isa"_a);
   m.def("isas", &qmm::isas);
   m.def(

@@ -1,18 +1,18 @@
-// The int8 GEMM for many rows of x (a prompt's chunk): weight rows go 16 at a
-// time into a panel of unsigned int8 codes interleaved by 4 (each 4 values of
-// row i at int32 lane i of a step's two vectors), and x's rows, rounded to int8
-// with a scale per 8 or 4 values (quantize_int8's x_block), meet the
-// panel in tiles of GEMM_X_ROWS: each step broadcasts 4 of a row's values
+// The int8 GEMM for many rows of x (a prompt's chunk, a batch): weight rows go
+// 16 at a time into a panel of unsigned int8 codes interleaved by 4 (each 4
+// values of row i at int32 lane i of a step's two vectors), and x's rows,
+// rounded to int8 with a scale per 8 or 4 values (quantize_int8's x_block), meet
+// the panel in tiles of GEMM_X_ROWS: each step broadcasts 4 of a row's values
 // against the 16 rows' codes, so no lane ever needs a horizontal sum. The int32
 // sums of the steps that share one of x's scales are converted and scaled once,
-// a block's meet the group's weight scales once, and the biases meet the
-// groups' sums of the rounded x at the end. Written once and built for each instruction set by the file that
-// includes it, beside the row kernel (int8_rows_impl.h, whose dot product and
-// code layout it shares); it defines INT8_GEMM(const Problem&, int n0, int n1).
-// The panel is converted once for all of x's rows, about one row kernel pass
-// over the weights, so this pays from about 4 rows (compute()'s gemm_rows). From
-// there to rows_limit x comes rounded per 4 values, as the row kernels take it,
-// and past it per 8.
+// a block's meet the group's weight scales once, and the biases meet the groups'
+// sums of the rounded x at the end. Written once and built for each instruction
+// set by the file that includes it, beside the row kernel (int8_rows_impl.h,
+// whose dot product and code layout it shares); it defines INT8_GEMM(const
+// Problem&, int n0, int n1). The panel is converted once for all of x's rows,
+// about one row kernel pass over the weights, so this pays from about 4 rows
+// (compute()'s GEMM_ROWS). From there to rows_limit x comes rounded per 4
+// values, as the row kernels take it, and past it per 8.
 #pragma once
 
 #include <immintrin.h>

@@ -5,10 +5,10 @@
 // file that includes it: QMM_DOT_AVX512VNNI (vpdpbusd on 256 bits, AVX512-VNNI
 // with VL), QMM_DOT_AVXVNNI (AVX-VNNI's vpdpbusd) or neither (AVX2's maddubs and
 // madd, for 4-bit codes). It defines INT8_ROWS(const Problem&, int n0, int n1).
-// Weight rows go 8 at a time (int8_eight), 4-bit ones against 4 rows of x at a
-// time on AVX-512 (2 elsewhere), 8-bit ones against one row of x; a batch's rows
-// meet 8-bit weights, and the weight rows left over, one weight row at a time
-// (int8_tile).
+// Weight rows go 8 at a time (int8_eight), 4-bit ones against 2 rows of x at a
+// time, 8-bit ones against one row of x; a few rows meet 8-bit weights, and the
+// weight rows left over, one weight row at a time (int8_tile). From 4 rows of x
+// on, compute() sends products to the int8 GEMM (int8_gemm_impl.h).
 //
 // x comes as quantize_int8 leaves it (qmm.h): int8 values in the order the
 // kernel meets the weights (a 4-bit block's even values, then its odd ones),
@@ -123,7 +123,7 @@ inline float bias_dot(const void* biases, const float* xsum, int groups) {
 }
 
 // R rows of x (m..m + R) against weight rows n..n + 8 (a lone stream's decode,
-// R = 1; a batch's rows, R at a time for 4 bits): each x row's block, its lane
+// R = 1; a few rows, 2 at a time for 4 bits): each x row's block, its lane
 // scales and its layout for two rows (a 4-bit block's halves broadcast) are
 // loaded once for the 8 weight rows, two rows' 4-bit codes share a vector (and
 // each unpacked vector serves the R rows of x), and each row's lanes stay apart
@@ -258,34 +258,24 @@ inline void int8_eight_rows(const Problem& p, int n, int m, std::size_t row_byte
   }
 }
 
-// Rows of x that share each unpacked vector of 4-bit codes: their accumulators
-// fit AVX-512's 32 vector registers four at a time, AVX2's 16 two at a time.
-#if defined(QMM_DOT_AVX512VNNI)
-constexpr int EIGHT_X_ROWS = 4;
-#else
-constexpr int EIGHT_X_ROWS = 2;
-#endif
-
 template <int BITS>
 void int8_rows(const Problem& p, int n0, int n1) {
   int groups = p.K / p.group_size;
   auto [scales, biases] = row_scale_room(groups);
-  // 8-bit codes meet a batch's rows in tiles of 4 (below): 8 weight rows a row
-  // of x at a time took 1.35x the float32 kernel's time at 4 and 16 rows.
+  // 8-bit codes meet several rows of x one weight row at a time (below): 8
+  // weight rows a row of x at a time took 1.35x the float32 kernel's time at 4
+  // and 16 rows.
   if (BITS == 4 || p.M == 1) {
-    // Weight rows 8 at a time, against the rows of x EIGHT_X_ROWS at a time (the
-    // leftover weight rows below, one at a time).
+    // Weight rows 8 at a time, against the rows of x two at a time (each
+    // unpacked vector of 4-bit codes serves both; the leftover weight rows
+    // below, one at a time).
     int bytes = p.scale_type == ScaleType::f32 ? 4 : 2;
     std::size_t row_bytes = std::size_t(groups) * bytes;
     for (; n0 + 8 <= n1; n0 += 8) {
       int m = 0;
       if constexpr (BITS == 4) {
-        for (; m + EIGHT_X_ROWS <= p.M; m += EIGHT_X_ROWS) {
-          int8_eight_rows<BITS, EIGHT_X_ROWS>(p, n0, m, row_bytes);
-        }
-        if (EIGHT_X_ROWS > 2 && m + 2 <= p.M) {
+        for (; m + 2 <= p.M; m += 2) {
           int8_eight_rows<BITS, 2>(p, n0, m, row_bytes);
-          m += 2;
         }
       }
       for (; m < p.M; m++) {

@@ -37,6 +37,12 @@ constexpr int TILE_ROWS = 256;
 // -0.06% off, per 32 (llama.cpp's q8_1) 0.0028 and +0.35%, for 6-12% more speed
 // (per 4, the row kernels' rounding, prefilled at 0.6-0.8x per 32's speed).
 constexpr int PREFILL_X_BLOCK = 8;
+// Rows of x from which int8 products take the GEMM, whose panels cost about one
+// row kernel pass over the weights (x rounded per 8 values past rows_limit, per
+// 4 as the row kernels round it up to there). On the default model's shapes it
+// took 1.23-1.40x the int8 row kernels' time at 2 rows, 0.93-0.95x at 4,
+// 0.57-0.73x at 8 and 0.53-0.61x at 16.
+constexpr int GEMM_ROWS = 4;
 
 using Sgemm = void (*)(
     int, int, int, int, int, int, float, const float*, int, const float*, int,
@@ -265,12 +271,6 @@ struct State {
   Kernels kernels = best_kernels();
   Pool pool;
   int rows_limit = 32;
-  // Rows of x from which int8 products take the GEMM, whose panels cost about
-  // one row kernel pass over the weights (x rounded per 8 values past
-  // rows_limit, per 4 as the row kernels round it up to there). On the default
-  // model's shapes it took 1.23-1.40x the int8 row kernels' time at 2 rows,
-  // 0.93-0.95x at 4, 0.57-0.73x at 8 and 0.53-0.61x at 16.
-  int gemm_rows = 4;
   // What x meets the weights as, up to rows_limit rows (the row kernels) and past
   // it (the int8 GEMM, or sgemm tiles). float32: the same logprobs whichever
   // kernel a row meets, so alone, batched and scored agree (cpu-kernels.md).
@@ -386,9 +386,9 @@ void compute(std::vector<Problem>& ps) {
       (first.bits == 4 || (first.bits == 8 && k.int8_for_8bit));
   // Whether the int8 GEMM takes all of x's rows at once (it converts each weight
   // panel once for them): a prompt's chunk, with a scale per PREFILL_X_BLOCK of
-  // x's values, and a batch's rows from gemm_rows on, rounded as the row kernels
+  // x's values, and a batch's rows from GEMM_ROWS on, rounded as the row kernels
   // round them.
-  bool whole = int8 && first.M >= s.gemm_rows && k.gemm_int8 != nullptr;
+  bool whole = int8 && first.M >= GEMM_ROWS && k.gemm_int8 != nullptr;
   if (many && !whole && s.sgemm != nullptr) {
     for (auto& p : ps) {
       compute_tiles(p, k);
@@ -799,9 +799,8 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(
 std::string effective(const State& s, const std::string& activations, bool many) {
   const Kernels& k = s.kernels;
   // (8-bit weights on AVX2 stay on float32: this names what 4-bit ones meet.)
-  bool gemm = k.gemm_int8 != nullptr && s.gemm_rows <= s.rows_limit + 1;
   if (activations == "int8" && k.rows_int8 != nullptr &&
-      (!many || gemm || s.sgemm == nullptr)) {
+      (!many || k.gemm_int8 != nullptr || s.sgemm == nullptr)) {
     return "int8";
   }
   if (activations == "int16" && k.rows_int16 != nullptr &&
@@ -818,7 +817,6 @@ Settings settings() {
       s.kernels.isa,
       s.pool.size(),
       s.rows_limit,
-      s.gemm_rows,
       s.sgemm != nullptr,
       effective(s, s.activations, false),
       effective(s, s.prefill_activations, true)};
@@ -919,12 +917,6 @@ void set_threads(int threads) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.pool.resize(std::max(1, threads));
-}
-
-void set_gemm_rows(int rows) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.gemm_rows = std::max(1, rows);
 }
 
 void use_sgemm(bool use) {

@@ -100,8 +100,6 @@ struct Settings {
   std::string isa;
   int threads;
   int rows_limit;
-  // Rows of x from which int8 products take the GEMM.
-  int gemm_rows;
   bool sgemm;
   // What the row kernels multiply the weights with: float32 x, or x rounded per
   // group to int16, or to int8 (llama.cpp's way); and what rows of x past
@@ -124,8 +122,6 @@ void set_activations(const std::string& activations, const std::string& prefill)
 // Whether many rows of x go to the process's sgemm in tiles of dequantized weights
 // (worth it with a fast BLAS), or to the row kernel in blocks of rows_limit rows.
 void use_sgemm(bool use);
-// Rows of x from which int8 products take the GEMM.
-void set_gemm_rows(int rows);
 // Pick the kernels: "auto" (the best this CPU runs) or one of isas().
 void set_isa(const std::string& isa);
 // The kernels' instruction sets this CPU runs, best first (avx512vnni, avxvnni:
