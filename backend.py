@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from mlx_backend.cpu.preload import maybe_reexec_with_preloads
 
 LOG_LEVEL_ENV = "MLX_BACKEND_LOG_LEVEL"
 
@@ -37,7 +37,7 @@ if __name__ == "__main__":
     # The restart with a fast BLAS comes before grpc, mlx-lm and transformers load:
     # after them, each start loaded them twice (1.2 s).
     configure_logging(os.environ.get(LOG_LEVEL_ENV, "INFO"))
-    maybe_reexec_with_fast_blas()
+    maybe_reexec_with_preloads()
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -671,7 +671,7 @@ def main(
     configure_graph_cache(os.environ, LoadOptions().max_batch_size)
     if argv is None:
         # A module that runs main() without backend.py's early restart.
-        maybe_reexec_with_fast_blas()
+        maybe_reexec_with_preloads()
     # Under mlx.launch every rank runs this command: ranks 1 and up follow rank 0.
     launched = launched_rank(os.environ)
     if args.worker or (launched is not None and launched > 0):

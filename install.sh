@@ -5,7 +5,8 @@
 # Inside LocalAI (backend/python/mlx, with ../common/libbackend.sh) LocalAI's
 # installRequirements makes the venv, installs requirements.txt and the files of
 # BUILD_TYPE and BUILD_PROFILE, and generates the stubs. Standalone (`make install`)
-# this script does the same itself, and on Linux CPU tries to apt-install OpenBLAS.
+# this script does the same itself, and on Linux CPU tries to apt-install OpenBLAS
+# and jemalloc.
 #
 # BUILD_TYPE picks the MLX build (a requirements-BUILD_TYPE.txt): cpu, mps, cublas12,
 # cublas13, l4t12, l4t13, or LocalAI's cublas / l4t with CUDA_MAJOR_VERSION (12 or
@@ -110,20 +111,25 @@ fi
 "$PY" -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. backend.proto
 
 # Linux CPU: requirements-cpu.txt brings MKL on x86_64; Debian's OpenBLAS is the fast
-# BLAS elsewhere and the fallback (backend.py preloads one). Best effort: a machine
-# without apt or root keeps going.
-if [ "$BUILD_TYPE" = cpu ] && [ "$(uname -s)" = Linux ] \
-    && ! ls /usr/lib/*/libopenblas.so.0 /usr/lib*/libopenblas.so.0 >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+# BLAS elsewhere and the fallback, and jemalloc the malloc (backend.py preloads them).
+# Best effort: a machine without apt or root keeps going.
+if [ "$BUILD_TYPE" = cpu ] && [ "$(uname -s)" = Linux ]; then
+    packages=""
+    ls /usr/lib/*/libopenblas.so.0 /usr/lib*/libopenblas.so.0 >/dev/null 2>&1 \
+        || packages=" libopenblas0-pthread"
+    ls /usr/lib/*/libjemalloc.so.2 /usr/lib*/libjemalloc.so.2 >/dev/null 2>&1 \
+        || packages="$packages libjemalloc2"
+    if [ -z "$packages" ]; then
+        :
+    elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+        apt-get install -y -qq $packages >/dev/null 2>&1 \
             || (apt-get update -qq >/dev/null 2>&1 \
-                && apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1) \
-            || echo "warning: could not install libopenblas0-pthread; without MKL" \
-                "(x86_64) the CPU path stays slow"
+                && apt-get install -y -qq $packages >/dev/null 2>&1) \
+            || echo "warning: could not install$packages; without them (and MKL on" \
+                "x86_64) the CPU path is slower"
     else
-        echo "note: without MKL (x86_64), install libopenblas0-pthread (apt-get, as" \
-            "root) for the fast CPU path"
+        echo "note: install$packages (apt-get, as root) for the fast CPU path"
     fi
 fi
 

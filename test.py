@@ -2,9 +2,9 @@
 
 One test runs the whole pytest suite (pyproject.toml: tests/ and test_mlx_cache.py)
 in a subprocess from the project root, in xdist workers (tests/conftest.py), with
-the fast BLAS preloaded the way backend.py's restart does it; pytest's output
-streams through, and the test fails when pytest does. ``make test`` and ./test.sh
-run it.
+jemalloc and the fast BLAS preloaded the way backend.py's restart does it; pytest's
+output streams through, and the test fails when pytest does. ``make test`` and
+./test.sh run it.
 
 PYTEST_ADDOPTS, pytest's own variable, adds options, e.g. one layer or a few tests:
 ``PYTEST_ADDOPTS="-m unit" python -m unittest test.py`` or
@@ -22,12 +22,11 @@ PYTEST = [sys.executable, "-m", "pytest", "-v"]
 
 
 def suite_environment(environ) -> dict:
-    """``environ`` with the fast BLAS preloaded on Linux CPU (unchanged elsewhere):
-    MLX binds its BLAS when it loads, so pytest has to start with it."""
-    from mlx_backend.cpu.blas import fast_blas_to_preload, preload_environment
+    """``environ`` with jemalloc and the fast BLAS preloaded on Linux CPU (unchanged
+    elsewhere): MLX binds its BLAS when it loads, so pytest has to start with them."""
+    from mlx_backend.cpu.preload import preloaded_environment
 
-    library = fast_blas_to_preload(environ)
-    return preload_environment(environ, library) if library else dict(environ)
+    return preloaded_environment(environ)
 
 
 class TestSuite(unittest.TestCase):

@@ -99,12 +99,13 @@ from bench.prefix import bench_prefix
 from bench.prompt_cache import bench_prompt_cache
 from bench.rerank import bench_rerank
 from bench.speculative import bench_speculative
+from mlx_backend.cpu.allocator import ALLOCATOR_ENV, allocator_in_use
 from mlx_backend.cpu.blas import (
     blas_choice_environment,
     fast_blas_in_use,
     find_fast_blas,
-    maybe_reexec_with_fast_blas,
 )
+from mlx_backend.cpu.preload import maybe_reexec_with_preloads, without_preload
 from mlx_backend.gpu import device_description
 from mlx_backend.models.gguf import export_mlx_folder
 from mlx_backend.models.loading import default_model_path
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     parts = args.parts - skipped.keys()
     # The library side runs on the same compute path as the server.
-    maybe_reexec_with_fast_blas()
+    maybe_reexec_with_preloads()
     fast_library = fast_blas_in_use(os.environ)
 
     report, lines = {}, []
@@ -310,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
                 if choice == "off" or library not in (None, fast_library):
                     env = blas_choice_environment(os.environ, choice)
                     stubs[name] = stack.enter_context(running_server(env))
+            # The fast path on glibc's malloc, where jemalloc is preloaded.
+            if allocator_in_use(os.environ):
+                env = without_preload(os.environ, ALLOCATOR_ENV, "off")
+                stubs["glibc malloc"] = stack.enter_context(running_server(env))
             stubs["fast"] = fast
             report["cpu_paths"], part = bench_cpu_paths(
                 stubs, args.cpu_rounds, args.tokens

@@ -58,11 +58,11 @@ def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[s
     lines = [
         f"2. CPU paths: prefill {runs['fast']['prefill'][0]['prompt_tokens']} tokens, "
         f"decode {tokens} tokens, median of {rounds} alternating rounds",
-        f"{'path':<12}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak MiB':>10}",
+        f"{'path':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak MiB':>10}",
     ]
     for name, s in summary.items():
         lines.append(
-            f"{name:<12}{s['prefill_tps']:>15.1f}{s['decode_tps']:>14.2f}"
+            f"{name:<14}{s['prefill_tps']:>15.1f}{s['decode_tps']:>14.2f}"
             f"{s['peak_mb']:>10.0f}"
         )
     for name, s in summary.items():
@@ -72,4 +72,17 @@ def bench_cpu_paths(stubs: dict, rounds: int, tokens: int) -> tuple[dict, list[s
             lines.append(
                 f"{name} / stock: prefill {prefill:.1f}x, decode {decode:.2f}x"
             )
+    if "glibc malloc" in runs:
+        # The malloc alone, round by round (each round's servers ran back to back).
+        ratios = [
+            fast["decode_tps"] / glibc["decode_tps"]
+            for fast, glibc in zip(
+                runs["fast"]["decode"], runs["glibc malloc"]["decode"]
+            )
+        ]
+        lines.append(
+            "fast / glibc malloc, decode by round: "
+            + " / ".join(f"{r:.2f}x" for r in ratios)
+            + f" (worst {min(ratios):.2f}x)"
+        )
     return {"runs": runs, "summary": summary}, lines

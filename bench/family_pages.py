@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from bench.in_process import first_token, make_decoder, step_seconds
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from mlx_backend.cpu.preload import maybe_reexec_with_preloads
 from tests.engine_helpers import load_engine, on_engine_thread
 from tests.family_models import _tokenizer_files, family_config
 
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(SIZES), default="qwen3_5")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    maybe_reexec_with_fast_blas()
+    maybe_reexec_with_preloads()
     folder = make_folder(args.family)
     size, length = SIZES[args.family], PROMPTS.get(args.family, PROMPT)
     engine = load_engine("speculative:off", model=str(folder.resolve()))

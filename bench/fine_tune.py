@@ -23,6 +23,7 @@ import mlx.core as mx
 
 import backend_pb2 as pb
 from bench.overhead import LONG_TEXT
+from mlx_backend.cpu.blas import blas_choice_environment
 from mlx_backend.models.gguf import export_mlx_folder
 from mlx_backend.models.loading import default_model_path
 
@@ -165,12 +166,9 @@ def hf_folder(mlx_folder: Path, out: Path) -> Path:
 
 
 def run_trl(python: Path, folder: Path, data: Path) -> dict:
-    # torch brings its own BLAS: the MLX sides' preloaded one stays out.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "MLX_BACKEND_FAST_BLAS")
-    }
+    # torch brings its own BLAS: the MLX sides' preloaded one stays out (their
+    # malloc stays, as for any process on this host).
+    env = blas_choice_environment(os.environ, "off")
     command = [
         str(python),
         # -P: bench/ off sys.path, where its profile.py would hide the standard one.

@@ -6,7 +6,7 @@ the server has it, a decoder of either kind, a step's time and a prompt's."""
 import argparse
 import time
 
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from mlx_backend.cpu.preload import maybe_reexec_with_preloads
 from mlx_backend.decoders.base import Decoder
 from mlx_backend.decoders.batch import BatchDecoder
 from mlx_backend.decoders.paged import PagedDecoder, paged_layers
@@ -19,7 +19,7 @@ def run_rounds(doc: str, measure):
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    maybe_reexec_with_fast_blas()
+    maybe_reexec_with_preloads()
     engine = load_engine()
     try:
         return on_engine_thread(

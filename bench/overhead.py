@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import backend_pb2 as pb
 from bench.batching import percentile
 from bench.profile import process_cpu_seconds, profile_decode
+from mlx_backend.cpu.allocator import allocator_in_use
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_cores
 from mlx_backend.cpu.compute_path import prepare_for_cpu
 from mlx_backend.cpu.kernels import match_blas_threads, use_kernels
@@ -175,9 +176,10 @@ def machine_header(breakdown) -> str:
     if device != "CPU":
         return f"{device}; {cpu}"
     blas = fast_blas_in_use(os.environ) or "MLX's bundled BLAS"
+    malloc = allocator_in_use(os.environ) or "glibc's"
     return (
-        f"{cpu}, BLAS {Path(blas).name} with {breakdown['blas_threads']} threads; "
-        f"auto chose pacing {'on' if breakdown['cpu_paced'] else 'off'}"
+        f"{cpu}, BLAS {Path(blas).name} with {breakdown['blas_threads']} threads, "
+        f"malloc {Path(malloc).name}; auto chose pacing {'on' if breakdown['cpu_paced'] else 'off'}"
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from bench.model_families import make_hybrid_folder, varied_text
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from mlx_backend.cpu.preload import maybe_reexec_with_preloads
 from mlx_backend.engine.engine import Engine
 from mlx_backend.models.loading import LoadPlan
 from mlx_backend.request_parsing import GenerationRequest
@@ -86,5 +86,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    maybe_reexec_with_fast_blas()
+    maybe_reexec_with_preloads()
     main()

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 
 from bench.overhead import LONG_TEXT
-from mlx_backend.cpu.blas import maybe_reexec_with_fast_blas
+from mlx_backend.cpu.preload import maybe_reexec_with_preloads
 from tests.engine_helpers import (
     chat_prompt,
     load_engine,
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--warm", type=int, default=1000)
     args = parser.parse_args()
-    maybe_reexec_with_fast_blas()
+    maybe_reexec_with_preloads()
     engine = load_engine("kv_bits:8", "kv_group_size:32")
     print(
         f"speculating rows: 2 chat streams, {DRAFT_TOKENS} draft tokens, "

@@ -4,7 +4,7 @@ an in-process engine's loads, the tiny-model folders, the chat folders and their
 tokenizers, and make's check that the kernels are built. Run it on an idle machine
 the way make test runs pytest:
 
-    env $(venv/bin/python -m mlx_backend.cpu.blas) venv/bin/python -m tests.costs
+    env $(venv/bin/python -m mlx_backend.cpu.preload) venv/bin/python -m tests.costs
 """
 
 import os

@@ -1,12 +1,7 @@
-"""The fast BLAS of the Linux CPU path: found, preloaded by a re-exec before MLX
-loads, and given its thread count.
-
-Run as ``python -m mlx_backend.cpu.blas``, it prints the environment that runs
-MLX on that BLAS in another process (the test suite's).
-"""
+"""The fast BLAS of the Linux CPU path: found, preloaded by the re-exec of
+``preload.py`` before MLX loads, and given its thread count."""
 
 import ctypes
-import importlib.metadata
 import logging
 import os
 import sys
@@ -14,6 +9,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_backend.cpu.preload import (
+    find_library,
+    library_in_use,
+    linux_cpu_build,
+    with_preload,
+    without_preload,
+)
 from mlx_backend.switches import switched_off
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,7 @@ FAST_BLAS_INSTALL = (
 
 def fast_blas_in_use(environ) -> str | None:
     """The fast BLAS this process runs with (preloaded by backend.py's restart)."""
-    library = environ.get(FAST_BLAS_ENV, "")
-    preloaded = environ.get("LD_PRELOAD", "").split()
-    return library if library.startswith("/") and library in preloaded else None
+    return library_in_use(environ, FAST_BLAS_ENV)
 
 
 def find_fast_blas(choice: str = "auto", candidates=FAST_BLAS_CANDIDATES) -> str | None:
@@ -56,25 +56,12 @@ def find_fast_blas(choice: str = "auto", candidates=FAST_BLAS_CANDIDATES) -> str
     Raises:
         ValueError: ``choice`` is neither a family nor a path.
     """
-    choice = choice.strip() or "auto"
-    if choice.startswith("/"):
-        paths = (choice,)
-    elif (choice := choice.lower()) == "auto":
-        paths = tuple(p for family in candidates.values() for p in family)
-    elif choice in candidates:
-        paths = candidates[choice]
-    else:
-        names = ", ".join(["auto", "off", *candidates, "a library path"])
-        raise ValueError(f"{FAST_BLAS_ENV}={choice!r}: expected one of {names}")
-    return next((path for path in paths if Path(path).exists()), None)
+    return find_library(choice, candidates, FAST_BLAS_ENV)
 
 
 def preload_environment(environ, library: str) -> dict:
     """``environ`` with ``library`` preloaded, so MLX binds its BLAS calls to it."""
-    preload = [p for p in environ.get("LD_PRELOAD", "").split() if p]
-    if library not in preload:
-        preload.insert(0, library)
-    return {**environ, "LD_PRELOAD": " ".join(preload), FAST_BLAS_ENV: library}
+    return with_preload(environ, library, FAST_BLAS_ENV)
 
 
 def blas_choice_environment(environ, choice: str) -> dict:
@@ -83,17 +70,7 @@ def blas_choice_environment(environ, choice: str) -> dict:
     The library this process preloaded is dropped from ``LD_PRELOAD``, so a child
     started with ``off`` really runs MLX's bundled BLAS.
     """
-    library = fast_blas_in_use(environ)
-    preload = [p for p in environ.get("LD_PRELOAD", "").split() if p != library]
-    return {**environ, "LD_PRELOAD": " ".join(preload), FAST_BLAS_ENV: choice}
-
-
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+    return without_preload(environ, FAST_BLAS_ENV, choice)
 
 
 def fast_blas_to_preload(environ) -> str | None:
@@ -104,15 +81,9 @@ def fast_blas_to_preload(environ) -> str | None:
     ``mkl``, ``openblas``, a library path, or ``off`` for MLX's bundled reference
     BLAS.
     """
-    if sys.platform != "linux" or switched_off(environ, FAST_BLAS_ENV):
+    if switched_off(environ, FAST_BLAS_ENV) or fast_blas_in_use(environ):
         return None
-    if fast_blas_in_use(environ):
-        return None  # already preloaded
-    if (
-        not _installed("mlx-cpu")
-        or _installed("mlx-cuda-12")
-        or _installed("mlx-cuda-13")
-    ):
+    if not linux_cpu_build():
         return None  # CUDA builds do their matmuls on the GPU
     choice = environ.get(FAST_BLAS_ENV, "auto")
     try:
@@ -129,22 +100,6 @@ def fast_blas_to_preload(environ) -> str | None:
             FAST_BLAS_INSTALL,
         )
     return library
-
-
-def maybe_reexec_with_fast_blas() -> None:
-    """On Linux CPU, restart once with a fast BLAS preloaded in place of MLX's own.
-
-    MLX binds its BLAS at load time, so the choice has to be made before it loads.
-    """
-    library = fast_blas_to_preload(os.environ)
-    if library is None:
-        return
-    logger.info("restarting with %s preloaded for MLX's matmuls", library)
-    os.execve(
-        sys.executable,
-        sys.orig_argv,
-        preload_environment(os.environ, library),
-    )
 
 
 # How each fast BLAS family sets and reads its thread count.
@@ -228,13 +183,3 @@ def apply_blas_threads(requested: int, shared: bool) -> str:
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-if __name__ == "__main__":
-    # `make test`: the environment that runs MLX inside pytest on the fast BLAS.
-    preload = fast_blas_to_preload(os.environ)
-    if preload:
-        changed = preload_environment(os.environ, preload)
-        sys.stdout.write(
-            f"LD_PRELOAD={changed['LD_PRELOAD']} {FAST_BLAS_ENV}={preload}\n"
-        )

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx_lm.utils import get_total_parameters
 
 from mlx_backend.cpu.activations import choose_activations
+from mlx_backend.cpu.allocator import allocator_in_use
 from mlx_backend.cpu.blas import fast_blas_in_use, physical_memory
 from mlx_backend.cpu.kernels import kernel_settings, load_kernels, runs_on_kernels
 from mlx_backend.switches import switched_off
@@ -43,6 +44,8 @@ class ComputePath:
 
     description: str
     fast_blas: bool = False
+    # jemalloc (or another malloc) preloaded in place of glibc's.
+    fast_allocator: bool = False
     dequantized_bytes: int = 0
     # Prompt tokens per prefill chunk when LoadModel does not set one.
     prefill_step_size: int = CPU_PREFILL_STEP_SIZE
@@ -60,6 +63,7 @@ class ComputePath:
     def breakdown(self) -> dict[str, int]:
         figures = {
             "fast_blas": int(self.fast_blas),
+            "fast_allocator": int(self.fast_allocator),
             "dequantized_weights": self.dequantized_bytes,
             "blas_threads": self.blas_threads,
             "cpu_paced": int(self.paced),
@@ -104,10 +108,15 @@ def prepare_for_cpu(
     if mx.default_device().type != mx.cpu:
         return model, ComputePath("GPU, weights as loaded", prefill_step_size=512)
     blas = fast_blas_in_use(os.environ)
-    blas_text = f"BLAS {blas}" if blas else "MLX's bundled reference BLAS"
+    malloc = allocator_in_use(os.environ)
+    blas_text = (f"BLAS {blas}" if blas else "MLX's bundled reference BLAS") + (
+        f", malloc {malloc}" if malloc else ", glibc's malloc"
+    )
     fast = blas is not None
+    # The preloaded libraries, in every CPU path.
+    libraries = {"fast_blas": fast, "fast_allocator": malloc is not None}
     if not is_quantized(model):
-        return model, ComputePath(f"CPU, {blas_text}, unquantized weights", fast)
+        return model, ComputePath(f"CPU, {blas_text}, unquantized weights", **libraries)
     if switched_off(os.environ, DEQUANTIZE_ENV):
         dequantize = False
     no_kernels = "tensor parallel" if not kernels else load_kernels()[1]
@@ -129,7 +138,7 @@ def prepare_for_cpu(
         return model, ComputePath(
             f"CPU, {blas_text}, quantized weights on SIMD kernels ({settings.isa}, "
             f"{settings.threads} threads, {kernel_activations})",
-            fast,
+            **libraries,
             kernel_isa=settings.isa,
             kernel_threads=settings.threads,
         )
@@ -147,7 +156,7 @@ def prepare_for_cpu(
         return model, ComputePath(
             f"CPU, {blas_text}, MLX's quantized kernels (SIMD kernels: "
             f"{no_kernels or 'off'}; dequantize: {why})",
-            fast,
+            **libraries,
         )
     model = dequantize_to_float32(model)
     mx.eval(model.parameters())
@@ -155,6 +164,6 @@ def prepare_for_cpu(
     return model, ComputePath(
         f"CPU, {blas_text}, weights dequantized to float32 ({needed >> 20} MiB)"
         f"{kernels_text}",
-        fast,
-        needed,
+        **libraries,
+        dequantized_bytes=needed,
     )

@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 
 import backend_pb2 as pb
+from mlx_backend.cpu.allocator import ALLOCATOR_INSTALL, find_allocator
 from mlx_backend.cpu.blas import FAST_BLAS_INSTALL, find_fast_blas
 from tests.support import (
     ANSWER,
@@ -326,6 +327,15 @@ def test_linux_cpu_runs_the_fast_path(server):
     assert breakdown["cpu_kernels"] == 1 and breakdown["dequantized_weights"] == 0
     assert breakdown["cpu_kernel_threads"] == breakdown["blas_threads"]
     assert f"restarting with {library} preloaded" in server.logs()
+    # jemalloc where install.sh could install it; else glibc's malloc, and a warning
+    # that names the package.
+    malloc = find_allocator()
+    assert breakdown["fast_allocator"] == int(malloc is not None)
+    if malloc:
+        # (pytest's own restart preloaded it: make test runs pytest like the server.)
+        assert f"malloc {malloc}" in server.logs()
+    else:
+        assert ALLOCATOR_INSTALL in server.logs()
     assert "quantized weights on SIMD kernels" in server.logs()
     # The paged decoder serves it, unpaced whatever the host's pacing setting.
     assert "one forward pass per step over paged KV" in server.logs()

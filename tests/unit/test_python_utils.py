@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 import backend_pb2
+from mlx_backend.cpu import allocator, blas
+from mlx_backend.cpu.allocator import ALLOCATOR_ENV, allocator_in_use, find_allocator
 from mlx_backend.cpu.blas import (
     FAST_BLAS_ENV,
     blas_choice_environment,
@@ -15,6 +17,7 @@ from mlx_backend.cpu.blas import (
     find_fast_blas,
     preload_environment,
 )
+from mlx_backend.cpu.preload import preloaded_environment
 from mlx_backend.errors import InvalidArgument
 from mlx_backend.switches import switched_off
 from python_utils import (
@@ -113,15 +116,59 @@ def test_find_fast_blas_by_family_and_path(tmp_path):
 def test_preload_environment_keeps_other_preloads():
     env = preload_environment({"LD_PRELOAD": "/a.so", "PATH": "/bin"}, "/blas.so")
     assert env == {
-        "LD_PRELOAD": "/blas.so /a.so",
+        "LD_PRELOAD": "/blas.so:/a.so",
         "PATH": "/bin",
         FAST_BLAS_ENV: "/blas.so",
     }
     again = preload_environment(env, "/blas.so")
-    assert again["LD_PRELOAD"] == "/blas.so /a.so"
+    assert again["LD_PRELOAD"] == "/blas.so:/a.so"
     # A child told to choose again loses this process's BLAS, not the others.
     child = blas_choice_environment(env, "off")
     assert child == {"LD_PRELOAD": "/a.so", "PATH": "/bin", FAST_BLAS_ENV: "off"}
+
+
+def test_find_allocator_by_family_and_path(tmp_path):
+    jemalloc, tcmalloc = tmp_path / "libjemalloc.so.2", tmp_path / "libtc.so.4"
+    candidates = {"jemalloc": (str(jemalloc),), "tcmalloc": (str(tcmalloc),)}
+    assert find_allocator(candidates=candidates) is None
+    tcmalloc.write_bytes(b"")
+    assert find_allocator(candidates=candidates) == str(tcmalloc)
+    jemalloc.write_bytes(b"")
+    assert find_allocator("auto", candidates) == str(jemalloc)
+    assert find_allocator("TCMalloc", candidates) == str(tcmalloc)
+    with pytest.raises(ValueError, match=f"{ALLOCATOR_ENV}='mimalloc'"):
+        find_allocator("mimalloc", candidates)
+
+
+def test_preloaded_environment_adds_the_allocator_and_the_blas_once(
+    tmp_path, monkeypatch
+):
+    """Both libraries go in front of the host's preloads, the allocator first; the
+    restarted process finds them in use and adds nothing (no second restart)."""
+    for module in (allocator, blas):
+        monkeypatch.setattr(module, "linux_cpu_build", lambda: True)
+    malloc, library = tmp_path / "libjemalloc.so.2", tmp_path / "libblas.so"
+    malloc.write_bytes(b"")
+    library.write_bytes(b"")
+    # The host's list may be spaced, as the loader allows.
+    host = {"LD_PRELOAD": " /a.so ", ALLOCATOR_ENV: str(malloc)}
+    host[FAST_BLAS_ENV] = str(library)
+    env = preloaded_environment(host)
+    assert env["LD_PRELOAD"] == f"{malloc}:{library}:/a.so"
+    assert allocator_in_use(env) == str(malloc)
+    assert fast_blas_in_use(env) == str(library)
+    assert preloaded_environment(env) == env
+    # Each switch off leaves its library out; a missing library adds nothing.
+    assert preloaded_environment({**host, ALLOCATOR_ENV: "off"})["LD_PRELOAD"] == (
+        f"{library}:/a.so"
+    )
+    assert preloaded_environment({**host, FAST_BLAS_ENV: "off"})["LD_PRELOAD"] == (
+        f"{malloc}:/a.so"
+    )
+    missing = {ALLOCATOR_ENV: str(tmp_path / "none.so"), FAST_BLAS_ENV: "off"}
+    assert preloaded_environment(missing) == missing
+    # A child that picks its BLAS afresh keeps the allocator.
+    assert allocator_in_use(blas_choice_environment(env, "auto")) == str(malloc)
 
 
 def test_parse_options_ignores_unknown_keys():
