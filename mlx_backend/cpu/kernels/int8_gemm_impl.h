@@ -108,6 +108,42 @@ inline void transpose_lanes(const __m256i rows[8], __m256i out[8]) {
   }
 }
 
+// The panel's scales and biases ([groups][16], zero past count): each row's as
+// float32, then gathered a group at a time for 8 rows. Scattered one value at a
+// time they took half of a batch's packing.
+inline void pack_scales(const Problem& p, int n, int count, const Panel& panel) {
+  int groups = p.K / p.group_size;
+  // load_scales writes a row's groups rounded up to 8.
+  int each = (groups + 7) / 8 * 8;
+  thread_local Room room;
+  auto table = reinterpret_cast<float*>(
+      room.reserve(std::size_t(2) * PANEL_ROWS * each * sizeof(float)));
+  for (int i = 0; i < count; i++) {
+    load_scales(p, p.scales, n + i, table + std::size_t(i) * each);
+    load_scales(p, p.biases, n + i, table + std::size_t(PANEL_ROWS + i) * each);
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i index = _mm256_mullo_epi32(lane, _mm256_set1_epi32(each));
+  __m256 live[2];
+  for (int half = 0; half < 2; half++) {
+    __m256i row = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * half));
+    live[half] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), row));
+  }
+  for (int g = 0; g < groups; g++) {
+    for (int half = 0; half < 2; half++) {
+      const float* rows = table + std::size_t(8 * half) * each + g;
+      const float* bias_rows = rows + std::size_t(PANEL_ROWS) * each;
+      __m256 none = _mm256_setzero_ps();
+      _mm256_store_ps(
+          panel.scales + g * PANEL_ROWS + 8 * half,
+          _mm256_mask_i32gather_ps(none, rows, index, live[half], 4));
+      _mm256_store_ps(
+          panel.biases + g * PANEL_ROWS + 8 * half,
+          _mm256_mask_i32gather_ps(none, bias_rows, index, live[half], 4));
+    }
+  }
+}
+
 // Weight rows n..n + count (count <= 16) into the panel; rows past count are
 // zero codes, scales and biases.
 template <int BITS>
@@ -134,18 +170,59 @@ inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
       }
     }
   }
-  auto [scales, biases] = row_scale_room(groups);
+  pack_scales(p, n, count, panel);
+}
+
+#if defined(QMM_DOT_AVX512VNNI)
+// pack_panel for 4-bit codes on 512 bits: each 4 bytes of a row's packed block
+// hold its step t (low nibbles) and step t + 4 (high nibbles), so 16 rows' blocks
+// go through one 16 x 4 transpose of int32 (two-source permutes) and a mask and
+// shift per step, where the 256-bit pack unpacks each row first and transposes
+// 8 x 8 twice (a batch of 8 rows spent as long packing as multiplying).
+inline void pack_panel_512(const Problem& p, int n, int count, const Panel& panel) {
+  int blocks = p.K / 32;
+  int groups = p.K / p.group_size;
+  std::size_t stride = std::size_t(p.K) * 4 / 32;
+  const uint32_t* rows[PANEL_ROWS];
   for (int i = 0; i < PANEL_ROWS; i++) {
-    if (i < count) {
-      load_scales(p, p.scales, n + i, scales);
-      load_scales(p, p.biases, n + i, biases);
+    // Rows past count read row n again (their codes are zeroed below).
+    rows[i] = p.w + std::size_t(n + (i < count ? i : 0)) * stride;
+  }
+  __mmask16 live = __mmask16((1u << count) - 1);
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  // Int32 t of each row in a 4-row vector (row q at 4q): rows 0-7 from two vectors.
+  __m512i pick[4];
+  for (int t = 0; t < 4; t++) {
+    alignas(64) int32_t at[16] = {};
+    for (int r = 0; r < 8; r++) {
+      at[r] = (r / 4) * 16 + (r % 4) * 4 + t;
     }
-    for (int g = 0; g < groups; g++) {
-      panel.scales[g * PANEL_ROWS + i] = i < count ? scales[g] : 0.0f;
-      panel.biases[g * PANEL_ROWS + i] = i < count ? biases[g] : 0.0f;
+    pick[t] = _mm512_load_si512(at);
+  }
+  auto codes = reinterpret_cast<__m512i*>(panel.codes);
+  for (int b = 0; b < blocks; b++, codes += 8) {
+    __m512i quads[4];
+    for (int v = 0; v < 4; v++) {
+      auto block = [&](int i) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * v + i] + 4 * b));
+      };
+      __m512i q = _mm512_castsi128_si512(block(0));
+      q = _mm512_inserti32x4(q, block(1), 1);
+      q = _mm512_inserti32x4(q, block(2), 2);
+      quads[v] = _mm512_inserti32x4(q, block(3), 3);
+    }
+    for (int t = 0; t < 4; t++) {
+      __m512i low = _mm512_permutex2var_epi32(quads[0], pick[t], quads[1]);
+      __m512i high = _mm512_permutex2var_epi32(quads[2], pick[t], quads[3]);
+      __m512i step = _mm512_maskz_mov_epi32(live, _mm512_shuffle_i64x2(low, high, 0x44));
+      _mm512_store_si512(codes + t, _mm512_and_si512(step, mask));
+      _mm512_store_si512(
+          codes + t + 4, _mm512_and_si512(_mm512_srli_epi32(step, 4), mask));
     }
   }
+  pack_scales(p, n, count, panel);
 }
+#endif
 
 // Rows m..m + R of x against the panel of weight rows n..n + count, x with a
 // scale per XB values: 8 (a prompt's chunk: each two steps' sums convert
@@ -323,7 +400,15 @@ void int8_gemm(const Problem& p, int n0, int n1) {
   Panel panel = panel_room(p.K, p.K / p.group_size);
   for (int n = n0; n < n1; n += PANEL_ROWS) {
     int count = std::min(PANEL_ROWS, n1 - n);
+#if defined(QMM_DOT_AVX512VNNI)
+    if constexpr (BITS == 4) {
+      pack_panel_512(p, n, count, panel);
+    } else {
+      pack_panel<BITS>(p, n, count, panel);
+    }
+#else
     pack_panel<BITS>(p, n, count, panel);
+#endif
     int m = 0;
     for (; m + GEMM_X_ROWS <= p.M; m += GEMM_X_ROWS) {
       gemm_x_tile<XB, GEMM_X_ROWS>(p, panel, m, n, count);
