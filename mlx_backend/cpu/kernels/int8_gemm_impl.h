@@ -204,7 +204,8 @@ inline void pack_panel_512(const Problem& p, int n, int count, const Panel& pane
     __m512i quads[4];
     for (int v = 0; v < 4; v++) {
       auto block = [&](int i) {
-        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * v + i] + 4 * b));
+        auto at = rows[4 * v + i] + 4 * b;
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
       };
       __m512i q = _mm512_castsi128_si512(block(0));
       q = _mm512_inserti32x4(q, block(1), 1);
@@ -214,7 +215,8 @@ inline void pack_panel_512(const Problem& p, int n, int count, const Panel& pane
     for (int t = 0; t < 4; t++) {
       __m512i low = _mm512_permutex2var_epi32(quads[0], pick[t], quads[1]);
       __m512i high = _mm512_permutex2var_epi32(quads[2], pick[t], quads[3]);
-      __m512i step = _mm512_maskz_mov_epi32(live, _mm512_shuffle_i64x2(low, high, 0x44));
+      __m512i both = _mm512_shuffle_i64x2(low, high, 0x44);
+      __m512i step = _mm512_maskz_mov_epi32(live, both);
       _mm512_store_si512(codes + t, _mm512_and_si512(step, mask));
       _mm512_store_si512(
           codes + t + 4, _mm512_and_si512(_mm512_srli_epi32(step, 4), mask));
