@@ -70,6 +70,10 @@ struct Panel {
   uint8_t* codes;
   float* scales;
   float* biases;
+  // The next panel's weight rows, fetched `lines` cache lines a block by the
+  // panel's first tile of x (nullptr: none, or a later tile).
+  const char* ahead = nullptr;
+  int lines = 0;
 };
 
 // The calling thread's panel room for K inputs in `groups` groups (kept between
@@ -85,7 +89,8 @@ inline Panel panel_room(int K, int groups) {
   return {
       reinterpret_cast<uint8_t*>(base),
       reinterpret_cast<float*>(base + codes),
-      reinterpret_cast<float*>(base + codes + values)};
+      reinterpret_cast<float*>(base + codes + values),
+  };
 }
 
 // Eight vectors' int32 lanes transposed: out[j] holds lane j of rows[0..8].
@@ -246,6 +251,9 @@ inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int co
   }
   auto codes = reinterpret_cast<const __m256i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 16) {
+    for (int line = 0; panel.ahead != nullptr && line < panel.lines; line++) {
+      _mm_prefetch(panel.ahead + (b * panel.lines + line) * 64, _MM_HINT_T0);
+    }
     const float* scales = panel.scales + (b >> shift) * PANEL_ROWS;
     __m256 low_scale = _mm256_load_ps(scales);
     __m256 high_scale = _mm256_load_ps(scales + 8);
@@ -334,6 +342,9 @@ inline void gemm_tile_512(
   }
   auto codes = reinterpret_cast<const __m512i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 8) {
+    for (int line = 0; panel.ahead != nullptr && line < panel.lines; line++) {
+      _mm_prefetch(panel.ahead + (b * panel.lines + line) * 64, _MM_HINT_T0);
+    }
     __m512 scale = _mm512_load_ps(panel.scales + (b >> shift) * PANEL_ROWS);
     constexpr int STEPS = XB / 4;
     __m512 block[R];
@@ -411,9 +422,19 @@ void int8_gemm(const Problem& p, int n0, int n1) {
 #else
     pack_panel<BITS>(p, n, count, panel);
 #endif
+    // The next panel's rows stream in while this one's first tile computes: a
+    // batch's few rows of x leave the packing waiting on memory otherwise.
+    int next = std::max(0, std::min(PANEL_ROWS, n1 - n - PANEL_ROWS));
+    std::size_t row_bytes = std::size_t(p.K) * BITS / 8;
+    panel.ahead = reinterpret_cast<const char*>(p.w) + (n + PANEL_ROWS) * row_bytes;
+    panel.lines = int((next * row_bytes + 64 * (p.K / 32) - 1) / (64 * (p.K / 32)));
+    if (next == 0) {
+      panel.ahead = nullptr;
+    }
     int m = 0;
     for (; m + GEMM_X_ROWS <= p.M; m += GEMM_X_ROWS) {
       gemm_x_tile<XB, GEMM_X_ROWS>(p, panel, m, n, count);
+      panel.ahead = nullptr;
     }
     gemm_rest<XB, GEMM_X_ROWS - 1>(p, panel, m, n, count);
   }
