@@ -141,6 +141,8 @@ ATTENTION_CASES = [
     (1, 9, 3, 77, 300, 64),
     (2, 6, 2, 40, 40, 80),
     (1, 2, 1, 33, 97, 36),
+    # A long chunk: its tasks take 64 positions each.
+    (1, 4, 2, 260, 300, 64),
 ]
 
 

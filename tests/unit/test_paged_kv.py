@@ -274,14 +274,15 @@ def test_deep_sequences_attend_as_gathered_pages_do(
 ):
     """Decode rows and chunks thousands of keys deep, their tables shuffled across
     arenas, in float32 pages and in float16 ones (widened a block at a time), with
-    and without a sliding window (whose blocks before it are not read)."""
+    and without a sliding window (whose blocks before it are not read); and a
+    chunk long enough that its tasks take 64 positions each."""
     install_paged_ops()
     kv = PagedKV([LayerShape(2, 16, 16, dtype)], arena_pages=64)
-    order = kv.allocate(256)
+    order = kv.allocate(300)
     random.Random(7).shuffle(order)
     random_pools(kv, 11)
     tables, at = [], 0
-    for context in (1100, 1700, 4200, 600):
+    for context in (1100, 1700, 4200, 600, 900):
         tables.append(tuple(order[at : at + pages_for(context)]))
         at += pages_for(context)
     segments = (
@@ -289,6 +290,7 @@ def test_deep_sequences_attend_as_gathered_pages_do(
         Segment(1, 5, 1700, tables[1]),
         Segment(6, 1, 4200, tables[2]),
         Segment(7, 40, 600, tables[3]),
+        Segment(47, 260, 900, tables[4]),
     )
     layout = kv.layout(segments)
     q = mx.random.normal((1, heads, layout.tokens, 16), key=mx.random.key(5))

@@ -62,8 +62,17 @@ const RowKernels& row_kernels() {
   return *table;
 }
 
-// Query positions an attention task takes (for each head that reads its keys).
+// Query positions an attention task takes (for each head that reads its keys):
+// from 4 tasks' worth of a long chunk's positions on, 64, so that each block of
+// keys read serves more rows (a 4096-token prompt prefilled 5-10% faster than at
+// 16).
 constexpr int POSITIONS_PER_TASK = 16;
+constexpr int LONG_POSITIONS_PER_TASK = 64;
+
+int positions_per_task(int positions) {
+  return positions >= 4 * LONG_POSITIONS_PER_TASK ? LONG_POSITIONS_PER_TASK
+                                                  : POSITIONS_PER_TASK;
+}
 
 // An input's float data as rows along its last axis: where each row starts (in
 // elements), with a row-major copy for an input whose last axis is strided.
@@ -665,7 +674,8 @@ void CpuAttention::eval_cpu(
     double work = double(B) * heads * L * S * (D + Dv);
     // A task: a few positions of one batch row's kv head, for each query head
     // that reads it; the latest positions (the most keys, when causal) first.
-    int blocks = (L + POSITIONS_PER_TASK - 1) / POSITIONS_PER_TASK;
+    int per = positions_per_task(L);
+    int blocks = (L + per - 1) / per;
     int groups = B * kv_heads;
     run_tasks(blocks * groups, work, [&](int t) {
       int block = blocks - 1 - t / groups, b = (t % groups) / kv_heads;
@@ -673,9 +683,7 @@ void CpuAttention::eval_cpu(
       thread_local std::vector<fused::AttentionRow> rows;
       thread_local std::vector<float> scratch;
       rows.clear();
-      for (int l = block * POSITIONS_PER_TASK;
-           l < std::min(L, (block + 1) * POSITIONS_PER_TASK);
-           l++) {
+      for (int l = block * per; l < std::min(L, (block + 1) * per); l++) {
         for (int h = kv * repeats; h < (kv + 1) * repeats; h++) {
           rows.push_back(make_row(b, h, l));
         }
@@ -908,8 +916,9 @@ void CpuPagedAttention::eval_cpu(
       if (!fits) {
         throw std::invalid_argument("[paged_attention] a segment is out of range");
       }
-      for (int end = n; end > 0; end -= POSITIONS_PER_TASK) {
-        tasks.push_back({i, std::max(0, end - POSITIONS_PER_TASK), end});
+      int per = positions_per_task(n);
+      for (int end = n; end > 0; end -= per) {
+        tasks.push_back({i, std::max(0, end - per), end});
       }
       work += double(heads) * n * context * (D + Dv);
     }
