@@ -50,7 +50,9 @@ BATCH_PROMPT = 32
 # same text wherever this Python runs), cut to KL_TOKENS tokens.
 KL_TOPICS = ("execmodel", "exceptions", "naming", "truth", "numbers", "typesseq")
 KL_TOKENS = 2048
-KL_CHUNKS = (256, 16)
+# A prompt's chunks (the GEMM, x per 8), a batch's 16 rows (the GEMM, per 8) and
+# 3 rows (the row kernels, per 4: a decode row's rounding).
+KL_CHUNKS = (256, 16, 3)
 
 
 def cpu_flags() -> str:

@@ -121,8 +121,9 @@ def test_the_engine_serves_on_the_kernels_and_reports_them():
 
 
 # A fixed text for the next-token distributions (the default model's own
-# domain: plain English); chunks of 16 tokens stay on the row kernels (x scaled
-# per 4 values), chunks of 36 take the GEMM (per 8).
+# domain: plain English), 72 tokens: chunks of 3 stay on the row kernels (x
+# scaled per 4 values), chunks of 6 take the GEMM per 4, of 16 (the last 8) and
+# 36 the GEMM per 8 (decode's side, and a prompt's).
 KL_TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, and every evening "
     "the keeper climbed its ninety steps to light the lamp. Ships passed far out "
@@ -130,13 +131,14 @@ KL_TEXT = (
     "near. In winter the storms came from the west, and the waves broke over the "
     "rocks so hard that the whole tower shook."
 )
-CHUNKS = (16, 36)
+CHUNKS = (3, 6, 16, 36)
 
 
 def test_int8_activations_keep_the_next_token_distributions():
-    """x rounded to int8 (a scale per 4 values on the row kernels, per 8 on a
-    prompt's GEMM, the biases meeting the rounded sums): over a fixed text, read in
-    chunks that take either, the mean KL divergence from the float32 kernels'
+    """x rounded to int8 (a scale per 4 values on the row kernels and a small
+    batch's GEMM, per 8 on the GEMM from 8 rows, the biases meeting the rounded
+    sums): over a fixed text, read in chunks that take each, the mean KL
+    divergence from the float32 kernels'
     next-token distributions stays within 0.005 and the perplexity within 0.5%,
     as llama.cpp's --kl-divergence judges quantized inference; the load option
     says so, and greedy decodes of PROMPTS (a batch of 8) keep the float32
@@ -164,9 +166,10 @@ def test_int8_activations_keep_the_next_token_distributions():
             ids, exact, rounded = on_engine_thread(
                 engine, lambda model, options: logprobs(model, options, chunk)
             )
-            # Every chunk, the last one too, on the kernel its size names.
+            # Every chunk, the last one too, on the kernel and rounding its size
+            # names.
             last = len(ids) % chunk or chunk
-            assert len(ids) > 4 * CHUNKS[0] and (last > 32) == (chunk > 32)
+            assert len(ids) > 4 * CHUNKS[-2] and rounding(last) == rounding(chunk)
             kl = (np.exp(exact) * (exact - rounded)).sum(axis=-1)[:-1]
             assert 0 < kl.mean() <= 0.005, chunk
             taken = np.arange(len(ids) - 1), np.array(ids[1:])
@@ -185,6 +188,12 @@ def test_int8_activations_keep_the_next_token_distributions():
         assert parted < len(prompts)
     finally:
         engine.shutdown()
+
+
+def rounding(rows: int) -> tuple[bool, int, bool]:
+    """The int8 path of a product of ``rows`` rows: the GEMM or the row kernels,
+    x's values per scale, and whether a prompt's side (past the row limit)."""
+    return rows >= 4, 8 if rows >= 8 else 4, rows > 32
 
 
 # Where two greedy decodes may part: the float32 decode's best two logprobs this

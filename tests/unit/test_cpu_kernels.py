@@ -61,9 +61,10 @@ def rounding_bound(x, wq, scales, group_size, bits, top):
 def int8_bound(x, wq, scales, biases, group_size, bits, block=4):
     """The most that rounding x to int8 can move each output: each ``block``
     values in the kernels' order (a 4-bit block's even values, then its odd
-    ones) share a step of their largest / 127 (4 on the row kernels and a
-    batch's GEMM, 8 on a prompt's), and the biases meet the rounded sums, so an output moves by at most
-    half a step times each |dequantized weight|."""
+    ones) share a step of their largest / 127 (4 on the row kernels and the
+    GEMM below 8 rows, 8 on the GEMM from 8 rows), and the biases meet the rounded
+    sums, so an output moves by at most half a step times each |dequantized
+    weight|."""
     rows, k = x.shape
     blocks = mx.abs(x.astype(mx.float32)).reshape(rows, k // 32, 32)
     if bits == 4:
@@ -94,8 +95,8 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
     """Random shapes (odd output counts, several groups) at 1, 2, 3, 4, 7, 32,
     33 and 300 rows, on each instruction set, with float32, int16 and int8
     activations (the int8 kernels on each set's dot product: the row kernels
-    below gemm_rows, the GEMM from it, with x rounded per 8 values past the row
-    limit). Float32 accumulation of K products stays within K *
+    below 4 rows, the GEMM from 4, with x rounded per 8 values from 8 rows).
+    Float32 accumulation of K products stays within K *
     eps of the sum of their magnitudes (x2: the dequantized reference rounds
     too); int16 adds at most rounding_bound, int8 int8_bound."""
     seed = bits * 1000 + group_size + {mx.float16: 1, mx.bfloat16: 2}.get(dtype, 3)
@@ -105,10 +106,10 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
         x = mx.random.normal((rows, k), key=mx.random.key(seed + rows))
         expected, magnitude, total = reference(x, wq, scales, biases, group_size, bits)
         float_bound = 2 * k * FLOAT32_EPS * total + 1e-6
-        # Under int8, 4 rows on go to the GEMM (x rounded per 8 values past the
-        # row limit). Else the row kernels run up to the row limit, and more rows
-        # go to sgemm tiles, or without a fast BLAS to the row kernels in blocks of
-        # the limit.
+        # Under int8, 4 rows on go to the GEMM (x rounded per 8 values from 8
+        # rows). Else the row kernels run up to the row limit, and more rows go to
+        # sgemm tiles, or without a fast BLAS to the row kernels in blocks of the
+        # limit.
         many = rows > qmm.settings()["rows_limit"]
         for isa, sgemm in product(qmm.isas(), (True, False) if many else (True,)):
             qmm.set_isa(isa)
@@ -124,8 +125,9 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
                 rounded = not many or not qmm.settings()["sgemm"]
                 if used == "int8" or (used == "int16" and rounded):
                     if used == "int8":
+                        block = 8 if rows >= 8 else 4
                         extra = int8_bound(
-                            x, wq, scales, biases, group_size, bits, 8 if many else 4
+                            x, wq, scales, biases, group_size, bits, block
                         )
                     else:
                         extra = rounding_bound(x, wq, scales, group_size, bits, 32767)
@@ -137,11 +139,12 @@ def test_kernels_match_dequantize_then_matmul(qmm, bits, group_size, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [13, 41])
+@pytest.mark.parametrize("rows", [5, 13, 41])
 def test_int8_gemm_matches_the_portable_arithmetic(qmm, bits, rows):
-    """From gemm_rows on, int8 products take the GEMM: on each instruction set
-    it gives the portable kernel's sums on the same rounded x (a scale per 4
-    values at 13 rows, a batch's; per 8 at 41, a prompt's) within float32
+    """From 4 rows on, int8 products take the GEMM: on each instruction set it
+    gives the portable kernel's sums on the same rounded x (a scale per 4 values
+    at 5 rows, a small batch's; per 8 at 13, a batch's, and 41, a prompt's)
+    within float32
     rounding, over weight rows that leave a part panel (not a multiple of 16),
     rows of x that leave a part tile, several groups of f16 scales, and an x
     whose blocks' scales differ by 10^4 (a wrong block scale or a dropped bias

@@ -11,8 +11,8 @@
 // whose dot product and code layout it shares); it defines INT8_GEMM(const
 // Problem&, int n0, int n1). The panel is converted once for all of x's rows,
 // about one row kernel pass over the weights, so this pays from about 4 rows
-// (compute()'s GEMM_ROWS). From there to rows_limit x comes rounded per 4
-// values, as the row kernels take it, and past it per 8.
+// (compute()'s GEMM_ROWS). From there to 7 rows x comes rounded per 4 values,
+// as the row kernels take it, and from 8 rows (GEMM_X8_ROWS) per 8.
 #pragma once
 
 #include <immintrin.h>

@@ -32,14 +32,17 @@ constexpr int ROWS_PER_TASK = 16;
 constexpr int TASKS_PER_THREAD = 4;
 // Weight rows dequantized per sgemm call (for many rows of x).
 constexpr int TILE_ROWS = 256;
-// x's values per int8 scale in a prompt's GEMM. Over 2,048 tokens read in
-// chunks of 256, per 8 gave a mean KL of 0.0008 from float32 and a perplexity
-// -0.06% off, per 32 (llama.cpp's q8_1) 0.0028 and +0.35%, for 6-12% more speed
-// (per 4, the row kernels' rounding, prefilled at 0.6-0.8x per 32's speed).
-constexpr int PREFILL_X_BLOCK = 8;
+// x's values per int8 scale in the GEMM from GEMM_X8_ROWS rows on (a prompt's
+// chunk, a batch of 8 or more). Over 2,048 tokens read in chunks of 256, per 8
+// gave a mean KL of 0.0008 from float32 and a perplexity -0.06% off, per 32
+// (llama.cpp's q8_1) 0.0028 and +0.35%, for 6-12% more speed (per 4, the row
+// kernels' rounding, prefilled at 0.6-0.8x per 32's speed). A batch's 8 to 32
+// rows took 0.74-0.93x per 4's time.
+constexpr int GEMM_X_BLOCK = 8;
+constexpr int GEMM_X8_ROWS = 8;
 // Rows of x from which int8 products take the GEMM, whose panels cost about one
-// row kernel pass over the weights (x rounded per 8 values past rows_limit, per
-// 4 as the row kernels round it up to there). On the default model's shapes it
+// row kernel pass over the weights (x rounded per 4 values as the row kernels
+// round it, per 8 from GEMM_X8_ROWS). On the default model's shapes it
 // took 1.23-1.40x the int8 row kernels' time at 2 rows, 0.93-0.95x at 4,
 // 0.57-0.73x at 8 and 0.53-0.61x at 16.
 constexpr int GEMM_ROWS = 4;
@@ -385,9 +388,9 @@ void compute(std::vector<Problem>& ps) {
   bool int8 = activations == "int8" && k.rows_int8 != nullptr &&
       (first.bits == 4 || (first.bits == 8 && k.int8_for_8bit));
   // Whether the int8 GEMM takes all of x's rows at once (it converts each weight
-  // panel once for them): a prompt's chunk, with a scale per PREFILL_X_BLOCK of
-  // x's values, and a batch's rows from GEMM_ROWS on, rounded as the row kernels
-  // round them.
+  // panel once for them): from GEMM_ROWS rows on, with x rounded as the row
+  // kernels round it, and from GEMM_X8_ROWS with a scale per GEMM_X_BLOCK of x's
+  // values.
   bool whole = int8 && first.M >= GEMM_ROWS && k.gemm_int8 != nullptr;
   if (many && !whole && s.sgemm != nullptr) {
     for (auto& p : ps) {
@@ -417,9 +420,9 @@ void compute(std::vector<Problem>& ps) {
     first.xd = xd.data();
     rows = k.rows_int16;
   } else if (int8) {
-    // A scale per 4 values for the row kernels, per 32 for the GEMM, and the
-    // groups' sums of the rounded values.
-    first.x_block = whole && many ? PREFILL_X_BLOCK : 4;
+    // A scale per 4 values for the row kernels and the GEMM's first rows, per 8
+    // for the GEMM from GEMM_X8_ROWS, and the groups' sums of the rounded values.
+    first.x_block = whole && first.M >= GEMM_X8_ROWS ? GEMM_X_BLOCK : 4;
     xd_row = first.K / first.x_block;
     xd.resize(size_t(first.M) * xd_row);
     x8.resize(size_t(first.M) * first.K);
