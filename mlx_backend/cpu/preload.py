@@ -103,8 +103,20 @@ def preloaded_environment(environ) -> dict:
     environ = dict(environ)
     for switch, _, choose in _preloads():
         library = choose(environ)
-        if library is not None:
-            environ = with_preload(environ, library, switch)
+        if library is None:
+            continue
+        changed = with_preload(environ, library, switch)
+        # A path the loader's list cannot hold (a colon or a space in it) would
+        # never read as preloaded, and each start would restart again.
+        if library_in_use(changed, switch) != library:
+            logger.warning(
+                "%s=%r: a path with a colon or a space can't be preloaded; "
+                "skipped (set it to a path without them, or to off)",
+                switch,
+                library,
+            )
+            continue
+        environ = changed
     return environ
 
 

@@ -169,6 +169,12 @@ def test_preloaded_environment_adds_the_allocator_and_the_blas_once(
     assert preloaded_environment(missing) == missing
     # A child that picks its BLAS afresh keeps the allocator.
     assert allocator_in_use(blas_choice_environment(env, "auto")) == str(malloc)
+    # A path the loader's list can't hold is skipped, not restarted for forever.
+    spaced = tmp_path / "my libs" / "libjemalloc.so.2"
+    spaced.parent.mkdir()
+    spaced.write_bytes(b"")
+    odd = {ALLOCATOR_ENV: str(spaced), FAST_BLAS_ENV: "off"}
+    assert preloaded_environment(odd) == odd
 
 
 def test_parse_options_ignores_unknown_keys():

@@ -24,8 +24,9 @@ inline void fetch_ahead(const void* at, std::size_t ahead = AHEAD_BYTES) {
 }
 
 // Row n's scales (or biases) as float32, into room for its groups rounded up to 8.
-// Half floats go 8 at a time, the last 8 read on into the next row's (a few bytes
-// of a row that is read anyway); the array's last row ends through a zeroed vector.
+// Half floats go 8 at a time, the last 8 read on into the next rows' (a few bytes
+// of rows that are read anyway); where that would pass the array's end, the row
+// ends through a zeroed vector.
 inline void load_scales(const Problem& p, const void* base, int n, float* out) {
   int groups = p.K / p.group_size;
   std::size_t offset = std::size_t(n) * groups;
@@ -39,9 +40,11 @@ inline void load_scales(const Problem& p, const void* base, int n, float* out) {
         ? _mm256_cvtph_ps(h)
         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   };
-  bool last = n == p.N - 1;
+  // 8 at a time while the 8 stay within the array (a row's last 8 may read on
+  // into the rows after it, however few groups a row has).
+  std::size_t end = std::size_t(p.N) * groups;
   int g = 0;
-  for (; g + 8 <= groups || (g < groups && !last); g += 8) {
+  for (; g + 8 <= groups || (g < groups && offset + g + 8 <= end); g += 8) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + g));
     _mm256_storeu_ps(out + g, convert(h));
   }

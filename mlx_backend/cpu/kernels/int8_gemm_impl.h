@@ -154,7 +154,6 @@ inline void pack_scales(const Problem& p, int n, int count, const Panel& panel) 
 template <int BITS>
 inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
   int blocks = p.K / 32;
-  int groups = p.K / p.group_size;
   std::size_t stride = std::size_t(p.K) * BITS / 32;
   for (int half = 0; half < 2; half++) {
     const uint32_t* rows[8];
@@ -186,7 +185,6 @@ inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
 // 8 x 8 twice (a batch of 8 rows spent as long packing as multiplying).
 inline void pack_panel_512(const Problem& p, int n, int count, const Panel& panel) {
   int blocks = p.K / 32;
-  int groups = p.K / p.group_size;
   std::size_t stride = std::size_t(p.K) * 4 / 32;
   const uint32_t* rows[PANEL_ROWS];
   for (int i = 0; i < PANEL_ROWS; i++) {
@@ -426,10 +424,10 @@ void int8_gemm(const Problem& p, int n0, int n1) {
     // batch's few rows of x leave the packing waiting on memory otherwise.
     int next = std::max(0, std::min(PANEL_ROWS, n1 - n - PANEL_ROWS));
     std::size_t row_bytes = std::size_t(p.K) * BITS / 8;
-    panel.ahead = reinterpret_cast<const char*>(p.w) + (n + PANEL_ROWS) * row_bytes;
-    panel.lines = int((next * row_bytes + 64 * (p.K / 32) - 1) / (64 * (p.K / 32)));
-    if (next == 0) {
-      panel.ahead = nullptr;
+    panel.ahead = nullptr;
+    if (next > 0) {
+      panel.ahead = reinterpret_cast<const char*>(p.w) + (n + PANEL_ROWS) * row_bytes;
+      panel.lines = int((next * row_bytes + 64 * (p.K / 32) - 1) / (64 * (p.K / 32)));
     }
     int m = 0;
     for (; m + GEMM_X_ROWS <= p.M; m += GEMM_X_ROWS) {
