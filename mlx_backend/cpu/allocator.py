@@ -11,8 +11,7 @@ model decodes about 15-30% faster here (``bench/RESULTS.md``).
 
 import logging
 
-from mlx_backend.cpu.preload import find_library, library_in_use, linux_cpu_build
-from mlx_backend.switches import switched_off
+from mlx_backend.cpu.preload import find_library, library_in_use, library_to_preload
 
 logger = logging.getLogger(__name__)
 
@@ -59,23 +58,11 @@ def allocator_to_preload(environ) -> str | None:
     ``MLX_BACKEND_ALLOCATOR`` picks it: ``auto`` (default), ``jemalloc``,
     ``tcmalloc``, a library path, or ``off`` for glibc's malloc.
     """
-    if switched_off(environ, ALLOCATOR_ENV) or allocator_in_use(environ):
-        return None
-    if not linux_cpu_build():
-        return None
-    choice = environ.get(ALLOCATOR_ENV, "auto")
-    try:
-        library = find_allocator(choice)
-    except ValueError as e:
-        logger.warning("%s; using auto", e)
-        library = find_allocator()
-    if library is None:
-        logger.warning(
-            "no jemalloc found for %s=%s: decoding on the CPU runs on glibc's "
-            "malloc, about a fifth slower. For full speed: %s (or 'make install' "
-            "as root)",
-            ALLOCATOR_ENV,
-            choice,
-            ALLOCATOR_INSTALL,
-        )
-    return library
+    return library_to_preload(
+        environ,
+        ALLOCATOR_ENV,
+        ALLOCATOR_CANDIDATES,
+        "jemalloc",
+        "decoding on the CPU runs on glibc's malloc, about a fifth slower. For "
+        f"full speed: {ALLOCATOR_INSTALL} (or 'make install' as root)",
+    )

@@ -12,11 +12,10 @@ import mlx.core as mx
 from mlx_backend.cpu.preload import (
     find_library,
     library_in_use,
-    linux_cpu_build,
+    library_to_preload,
     with_preload,
     without_preload,
 )
-from mlx_backend.switches import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -81,25 +80,14 @@ def fast_blas_to_preload(environ) -> str | None:
     ``mkl``, ``openblas``, a library path, or ``off`` for MLX's bundled reference
     BLAS.
     """
-    if switched_off(environ, FAST_BLAS_ENV) or fast_blas_in_use(environ):
-        return None
-    if not linux_cpu_build():
-        return None  # CUDA builds do their matmuls on the GPU
-    choice = environ.get(FAST_BLAS_ENV, "auto")
-    try:
-        library = find_fast_blas(choice)
-    except ValueError as e:
-        logger.warning("%s; using auto", e)
-        library = find_fast_blas()
-    if library is None:
-        logger.warning(
-            "no fast BLAS found for %s=%s: the CPU path stays slow. "
-            "For full speed: %s (or 'make install' as root)",
-            FAST_BLAS_ENV,
-            choice,
-            FAST_BLAS_INSTALL,
-        )
-    return library
+    return library_to_preload(
+        environ,
+        FAST_BLAS_ENV,
+        FAST_BLAS_CANDIDATES,
+        "fast BLAS",
+        f"the CPU path stays slow. For full speed: {FAST_BLAS_INSTALL} (or 'make "
+        "install' as root)",
+    )
 
 
 # How each fast BLAS family sets and reads its thread count.

@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from mlx_backend.switches import switched_off
+
 logger = logging.getLogger(__name__)
 
 
@@ -83,6 +85,28 @@ def linux_cpu_build() -> bool:
         and _installed("mlx-cpu")
         and not (_installed("mlx-cuda-12") or _installed("mlx-cuda-13"))
     )
+
+
+def library_to_preload(
+    environ, switch: str, candidates: dict, what: str, missing: str
+) -> str | None:
+    """The library of ``candidates`` (``what``, in words) a process started with
+    ``environ`` should preload by ``switch``'s choice, or None: off, already
+    preloaded, not Linux CPU, or none installed (logged with ``missing``: what
+    goes slower, and what to install)."""
+    if switched_off(environ, switch) or library_in_use(environ, switch):
+        return None
+    if not linux_cpu_build():
+        return None  # CUDA builds compute on the GPU
+    choice = environ.get(switch, "auto")
+    try:
+        library = find_library(choice, candidates, switch)
+    except ValueError as e:
+        logger.warning("%s; using auto", e)
+        library = find_library("auto", candidates, switch)
+    if library is None:
+        logger.warning("no %s found for %s=%s: %s", what, switch, choice, missing)
+    return library
 
 
 def _preloads():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import backend_pb2
-from mlx_backend.cpu import allocator, blas
+from mlx_backend.cpu import preload
 from mlx_backend.cpu.allocator import ALLOCATOR_ENV, allocator_in_use, find_allocator
 from mlx_backend.cpu.blas import (
     FAST_BLAS_ENV,
@@ -145,8 +145,7 @@ def test_preloaded_environment_adds_the_allocator_and_the_blas_once(
 ):
     """Both libraries go in front of the host's preloads, the allocator first; the
     restarted process finds them in use and adds nothing (no second restart)."""
-    for module in (allocator, blas):
-        monkeypatch.setattr(module, "linux_cpu_build", lambda: True)
+    monkeypatch.setattr(preload, "linux_cpu_build", lambda: True)
     malloc, library = tmp_path / "libjemalloc.so.2", tmp_path / "libblas.so"
     malloc.write_bytes(b"")
     library.write_bytes(b"")
