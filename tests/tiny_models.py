@@ -111,18 +111,9 @@ def make_short_default(folder: Path, layers: int = 4) -> Path:
 def tiny_quantized_llama(tie: bool = True) -> llama.Model:
     """A random 2-layer llama, 4-bit in groups of 32 (the kernels' format); with
     ``tie`` false, its output layer apart from the embedding."""
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=50,
-        tie_word_embeddings=tie,
-    )
-    model = llama.Model(args)
+    config = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 96}
+    config.update(vocab_size=50, tie_word_embeddings=tie)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     return model

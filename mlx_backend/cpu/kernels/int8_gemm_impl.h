@@ -76,6 +76,13 @@ struct Panel {
   int lines = 0;
 };
 
+// Block b's share of the next panel's weight rows (none without one).
+inline void fetch_next_panel(const Panel& panel, int b) {
+  for (int line = 0; panel.ahead != nullptr && line < panel.lines; line++) {
+    _mm_prefetch(panel.ahead + (b * panel.lines + line) * 64, _MM_HINT_T0);
+  }
+}
+
 // The calling thread's panel room for K inputs in `groups` groups (kept between
 // calls, as row_scale_room).
 inline Panel panel_room(int K, int groups) {
@@ -149,36 +156,8 @@ inline void pack_scales(const Problem& p, int n, int count, const Panel& panel) 
   }
 }
 
-// Weight rows n..n + count (count <= 16) into the panel; rows past count are
-// zero codes, scales and biases.
-template <int BITS>
-inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
-  int blocks = p.K / 32;
-  std::size_t stride = std::size_t(p.K) * BITS / 32;
-  for (int half = 0; half < 2; half++) {
-    const uint32_t* rows[8];
-    for (int i = 0; i < 8; i++) {
-      int row = half * 8 + i;
-      rows[i] = row < count ? p.w + std::size_t(n + row) * stride : nullptr;
-    }
-    for (int b = 0; b < blocks; b++) {
-      __m256i codes[8], steps[8];
-      for (int i = 0; i < 8; i++) {
-        codes[i] =
-            rows[i] ? code_bytes<BITS>(rows[i] + b * BITS) : _mm256_setzero_si256();
-      }
-      transpose_lanes(codes, steps);
-      auto out = reinterpret_cast<__m256i*>(panel.codes) + std::size_t(b) * 16 + half;
-      for (int j = 0; j < 8; j++) {
-        _mm256_store_si256(out + 2 * j, steps[j]);
-      }
-    }
-  }
-  pack_scales(p, n, count, panel);
-}
-
 #if defined(QMM_DOT_AVX512VNNI)
-// pack_panel for 4-bit codes on 512 bits: each 4 bytes of a row's packed block
+// pack_panel's 4-bit codes on 512 bits: each 4 bytes of a row's packed block
 // hold its step t (low nibbles) and step t + 4 (high nibbles), so 16 rows' blocks
 // go through one 16 x 4 transpose of int32 (two-source permutes) and a mask and
 // shift per step, where the 256-bit pack unpacks each row first and transposes
@@ -229,6 +208,40 @@ inline void pack_panel_512(const Problem& p, int n, int count, const Panel& pane
 }
 #endif
 
+// Weight rows n..n + count (count <= 16) into the panel; rows past count are
+// zero codes, scales and biases.
+template <int BITS>
+inline void pack_panel(const Problem& p, int n, int count, const Panel& panel) {
+#if defined(QMM_DOT_AVX512VNNI)
+  if constexpr (BITS == 4) {
+    pack_panel_512(p, n, count, panel);
+    return;
+  }
+#endif
+  int blocks = p.K / 32;
+  std::size_t stride = std::size_t(p.K) * BITS / 32;
+  for (int half = 0; half < 2; half++) {
+    const uint32_t* rows[8];
+    for (int i = 0; i < 8; i++) {
+      int row = half * 8 + i;
+      rows[i] = row < count ? p.w + std::size_t(n + row) * stride : nullptr;
+    }
+    for (int b = 0; b < blocks; b++) {
+      __m256i codes[8], steps[8];
+      for (int i = 0; i < 8; i++) {
+        codes[i] =
+            rows[i] ? code_bytes<BITS>(rows[i] + b * BITS) : _mm256_setzero_si256();
+      }
+      transpose_lanes(codes, steps);
+      auto out = reinterpret_cast<__m256i*>(panel.codes) + std::size_t(b) * 16 + half;
+      for (int j = 0; j < 8; j++) {
+        _mm256_store_si256(out + 2 * j, steps[j]);
+      }
+    }
+  }
+  pack_scales(p, n, count, panel);
+}
+
 // Rows m..m + R of x against the panel of weight rows n..n + count, x with a
 // scale per XB values: 8 (a prompt's chunk: each two steps' sums convert
 // once) or 4 (a batch's rows, rounded as the row kernels round them: each
@@ -249,9 +262,7 @@ inline void gemm_tile(const Problem& p, const Panel& panel, int m, int n, int co
   }
   auto codes = reinterpret_cast<const __m256i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 16) {
-    for (int line = 0; panel.ahead != nullptr && line < panel.lines; line++) {
-      _mm_prefetch(panel.ahead + (b * panel.lines + line) * 64, _MM_HINT_T0);
-    }
+    fetch_next_panel(panel, b);
     const float* scales = panel.scales + (b >> shift) * PANEL_ROWS;
     __m256 low_scale = _mm256_load_ps(scales);
     __m256 high_scale = _mm256_load_ps(scales + 8);
@@ -340,9 +351,7 @@ inline void gemm_tile_512(
   }
   auto codes = reinterpret_cast<const __m512i*>(panel.codes);
   for (int b = 0; b < blocks; b++, codes += 8) {
-    for (int line = 0; panel.ahead != nullptr && line < panel.lines; line++) {
-      _mm_prefetch(panel.ahead + (b * panel.lines + line) * 64, _MM_HINT_T0);
-    }
+    fetch_next_panel(panel, b);
     __m512 scale = _mm512_load_ps(panel.scales + (b >> shift) * PANEL_ROWS);
     constexpr int STEPS = XB / 4;
     __m512 block[R];
@@ -411,15 +420,7 @@ void int8_gemm(const Problem& p, int n0, int n1) {
   Panel panel = panel_room(p.K, p.K / p.group_size);
   for (int n = n0; n < n1; n += PANEL_ROWS) {
     int count = std::min(PANEL_ROWS, n1 - n);
-#if defined(QMM_DOT_AVX512VNNI)
-    if constexpr (BITS == 4) {
-      pack_panel_512(p, n, count, panel);
-    } else {
-      pack_panel<BITS>(p, n, count, panel);
-    }
-#else
     pack_panel<BITS>(p, n, count, panel);
-#endif
     // The next panel's rows stream in while this one's first tile computes: a
     // batch's few rows of x leave the packing waiting on memory otherwise.
     int next = std::max(0, std::min(PANEL_ROWS, n1 - n - PANEL_ROWS));

@@ -81,7 +81,7 @@ void quantize_int8_avx2(
     int8_t* xq,
     float* xs,
     float* xsum);
-// The int8 GEMM (int8_gemm_impl.h): every row of x at once, x_block 4 or 32.
+// The int8 GEMM (int8_gemm_impl.h): every row of x at once, x_block 4 or 8.
 void gemm_avx2_int8(const Problem& p, int n0, int n1);
 void gemm_avxvnni_int8(const Problem& p, int n0, int n1);
 void gemm_avx512vnni_int8(const Problem& p, int n0, int n1);
