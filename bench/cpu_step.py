@@ -34,6 +34,7 @@ from mlx_backend.cpu.kernels import (
     match_blas_threads,
     use_kernels,
 )
+from mlx_backend.cpu.kernels.decode_layers import route_decode_layers
 from mlx_backend.cpu.kernels.fast_ops import route_fast_ops
 from mlx_backend.models.loading import default_model_path, load_model
 
@@ -149,6 +150,7 @@ def bench_in_process(qmm, rounds: int, tokens: int) -> dict:
     use_kernels(model)
     match_blas_threads(0)
     route_fast_ops()
+    route_decode_layers(model)
     products, nbytes = decode_products(model)
     mx.eval([x for x, *_ in products])
     runs = {name: {"decode": [], "gbps": []} for name in SIDES}

@@ -21,6 +21,7 @@ from mlx_lm.utils import load_tokenizer as load_mlx_tokenizer
 from mlx_backend.caches.kinds import CacheKinds
 from mlx_backend.cpu.compute_path import ComputePath, prepare_for_cpu
 from mlx_backend.cpu.kernels import use_kernels
+from mlx_backend.cpu.kernels.decode_layers import route_decode_layers
 from mlx_backend.cpu.kernels.fast_ops import route_fast_ops
 from mlx_backend.distributed.sharding import Sharding
 from mlx_backend.errors import InvalidArgument
@@ -456,6 +457,11 @@ def prepare_model(
         compute_path = compute_path.extended(
             f"norms, RoPE, attention, SwiGLU and logsumexp on {on}", fast_ops_isa=isa
         )
+        if isa and compute_path.kernel_isa:
+            blocks = route_decode_layers(model)
+            compute_path = compute_path.extended(
+                f"{blocks} blocks' decode steps as one node each"
+            )
     loaded = dataclasses.replace(loaded, model=model)
     if options.prefill_step_size is None:
         options = dataclasses.replace(

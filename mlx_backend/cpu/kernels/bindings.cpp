@@ -4,6 +4,7 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/variant.h>
 
+#include "decode_layer.h"
 #include "fused.h"
 #include "quantized_matmul.h"
 
@@ -166,6 +167,58 @@ NB_MODULE(_qmm, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "logsumexp over the last axis, kept, as one node.");
+  m.def(
+      "decode_layer",
+      [](const qmm::mx::array& x,
+         const qmm::mx::array& keys,
+         const qmm::mx::array& values,
+         int offset,
+         const qmm::mx::array& attention_norm,
+         const qmm::mx::array& mlp_norm,
+         const std::vector<qmm::mx::array>& linears,
+         const std::optional<qmm::mx::array>& freqs,
+         int heads,
+         int kv_heads,
+         float attention_scale,
+         int rope_dims,
+         bool rope_traditional,
+         float rope_base,
+         float rope_scale,
+         float attention_norm_eps,
+         float mlp_norm_eps,
+         const std::vector<int>& group_sizes,
+         const std::vector<int>& bits) {
+        qmm::DecodeLayerShape shape{
+            heads,          kv_heads,           attention_scale,
+            rope_dims,      rope_traditional,   rope_base,
+            rope_scale,     attention_norm_eps, mlp_norm_eps,
+            group_sizes,    bits};
+        return qmm::decode_layer(
+            x, keys, values, offset, attention_norm, mlp_norm, linears, freqs, shape);
+      },
+      "x"_a,
+      "keys"_a,
+      "values"_a,
+      "offset"_a,
+      "attention_norm"_a,
+      "mlp_norm"_a,
+      "linears"_a,
+      "freqs"_a.none(),
+      nb::kw_only(),
+      "heads"_a,
+      "kv_heads"_a,
+      "attention_scale"_a,
+      "rope_dims"_a,
+      "rope_traditional"_a,
+      "rope_base"_a,
+      "rope_scale"_a,
+      "attention_norm_eps"_a,
+      "mlp_norm_eps"_a,
+      "group_sizes"_a,
+      "bits"_a,
+      "[y, keys, values]: one token through a pre-norm block, its key and value "
+      "written into the caches at offset, as one node.");
+  m.def("decode_layer_cache_copies", &qmm::decode_layer_cache_copies);
   m.def("set_fused_isa", &qmm::set_fused_isa, "isa"_a);
   m.def("fused_isa", &qmm::fused_isa);
   m.def("fused_isas", &qmm::fused_isas);

@@ -471,7 +471,43 @@ struct Angles {
   }
 };
 
+// RoPE's inverse frequencies: 1 / freqs where given, else from `base`.
+std::vector<float> inverse_frequencies(int dims, float base, const float* freqs) {
+  int half = dims / 2;
+  std::vector<float> inv_freqs(half);
+  if (freqs != nullptr) {
+    for (int i = 0; i < half; i++) {
+      inv_freqs[i] = 1.0f / freqs[i];
+    }
+  } else {
+    float step = std::log(base) / float(half);
+    for (int i = 0; i < half; i++) {
+      inv_freqs[i] = mx::simd::exp(mx::simd::Simd<float, 1>(float(-i) * step)).value;
+    }
+  }
+  return inv_freqs;
+}
+
 } // namespace
+
+namespace fused {
+
+const RowKernels& chosen_rows() {
+  return row_kernels();
+}
+
+RopeAngles rope_angles(
+    int dims,
+    float base,
+    float scale,
+    const float* freqs,
+    int position) {
+  thread_local Angles angles;
+  angles.update({position}, 1, scale, inverse_frequencies(dims, base, freqs));
+  return {angles.cos.data(), angles.sin.data()};
+}
+
+} // namespace fused
 
 void CpuRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   dispatch_task(stream(), inputs, out, [dims = dims_,
@@ -481,18 +517,8 @@ void CpuRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     thread_local Angles angles;
     auto& x = in[0];
     int half = dims / 2;
-    std::vector<float> inv_freqs(half);
-    if (in.size() == 3) {
-      const float* f = in[2].data<float>();
-      for (int i = 0; i < half; i++) {
-        inv_freqs[i] = 1.0f / f[i];
-      }
-    } else {
-      float step = std::log(base) / float(half);
-      for (int i = 0; i < half; i++) {
-        inv_freqs[i] = mx::simd::exp(mx::simd::Simd<float, 1>(float(-i) * step)).value;
-      }
-    }
+    std::vector<float> inv_freqs =
+        inverse_frequencies(dims, base, in.size() == 3 ? in[2].data<float>() : nullptr);
     const int* o = in[1].data<int>();
     std::vector<int> offsets(in[1].size());
     for (size_t i = 0; i < offsets.size(); i++) {

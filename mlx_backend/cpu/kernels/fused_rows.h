@@ -98,6 +98,23 @@ struct RowKernels {
 };
 
 RowKernels portable_rows();
+
+// For primitives that run the row kernels inside their own task
+// (decode_layer.cpp): the kernels this process chose (set_fused_isa) ...
+const RowKernels& chosen_rows();
+// ... and RoPE's cosines and sines (dims / 2 each) at one position, as CpuRoPE
+// computes them (from `freqs` where given, else from `base`), valid until this
+// thread's next call.
+struct RopeAngles {
+  const float* cos;
+  const float* sin;
+};
+RopeAngles rope_angles(
+    int dims,
+    float base,
+    float scale,
+    const float* freqs,
+    int position);
 #if defined(__x86_64__)
 RowKernels avx2_rows();
 RowKernels avx512_rows();

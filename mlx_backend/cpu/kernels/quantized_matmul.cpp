@@ -647,12 +647,11 @@ const void* row_major(
   return copies.back()->data();
 }
 
-// The weight's part of a problem, writing y (no x yet).
+// The weight's part of a problem (no x or y yet).
 Problem weight_problem(
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
-    mx::array& y,
     int group_size,
     int bits,
     std::vector<std::shared_ptr<std::vector<char>>>& copies) {
@@ -666,7 +665,7 @@ Problem weight_problem(
   p.w = static_cast<const uint32_t*>(row_major(w, copies));
   p.scales = row_major(scales, copies);
   p.biases = row_major(biases, copies);
-  p.y = y.data<float>();
+  p.y = nullptr;
   p.M = 0;
   p.N = w.shape(0);
   p.K = w.shape(1) * 32 / bits;
@@ -686,7 +685,8 @@ Problem problem(
     int group_size,
     int bits,
     std::vector<std::shared_ptr<std::vector<char>>>& copies) {
-  Problem p = weight_problem(w, scales, biases, y, group_size, bits, copies);
+  Problem p = weight_problem(w, scales, biases, group_size, bits, copies);
+  p.y = y.data<float>();
   p.x = static_cast<const float*>(row_major(x, copies));
   p.M = int(x.size() / p.K);
   return p;
@@ -748,7 +748,8 @@ void QuantizedRows::eval_cpu(
                                            std::vector<mx::array>& in,
                                            mx::array& y) {
     std::vector<std::shared_ptr<std::vector<char>>> copies;
-    Problem p = weight_problem(in[1], in[2], in[3], y, group_size, bits, copies);
+    Problem p = weight_problem(in[1], in[2], in[3], group_size, bits, copies);
+    p.y = y.data<float>();
     auto index = static_cast<const uint32_t*>(row_major(in[0], copies));
     bool is_signed = in[0].dtype() == mx::int32;
     std::lock_guard<std::mutex> lock(state().mutex);
@@ -837,6 +838,28 @@ void set_activations(const std::string& activations, const std::string& prefill)
   std::lock_guard<std::mutex> lock(s.mutex);
   s.activations = activations;
   s.prefill_activations = prefill.empty() ? activations : prefill;
+}
+
+Problem product(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    const float* x,
+    int M,
+    float* y,
+    std::vector<std::shared_ptr<std::vector<char>>>& copies) {
+  Problem p = weight_problem(w, scales, biases, group_size, bits, copies);
+  p.x = x;
+  p.y = y;
+  p.M = M;
+  return p;
+}
+
+void run_products(std::vector<Problem>& ps) {
+  std::lock_guard<std::mutex> lock(state().mutex);
+  compute(ps);
 }
 
 void run_tasks(int tasks, double work, const std::function<void(int)>& fn) {

@@ -2,10 +2,13 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "qmm.h"
 
 namespace qmm {
 
@@ -131,5 +134,21 @@ std::vector<std::string> isas();
 // Calls fn(i) for i in [0, tasks) on the kernels' threads, on several of them
 // where the work (in multiply-adds) is large enough to pay for waking them.
 void run_tasks(int tasks, double work, const std::function<void(int)>& fn);
+
+// For primitives that run products inside their own task (decode_layer.cpp):
+// x [M, K] @ dequantize(w).T into y, the weight read in place where it is
+// row-major (else copied into `copies`, which must outlive the products) ...
+Problem product(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    const float* x,
+    int M,
+    float* y,
+    std::vector<std::shared_ptr<std::vector<char>>>& copies);
+// ... and products of one x, run as one QuantizedMatmul node runs them.
+void run_products(std::vector<Problem>& ps);
 
 } // namespace qmm
