@@ -1,5 +1,6 @@
 #include "decode_layer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -49,14 +50,19 @@ const float* row_data(const mx::array& a, std::vector<float>& copy) {
   return copy.data();
 }
 
-// `src` [1, heads, S, dims] into the row-major `dst` (a cache MLX could not donate).
-void copy_cache(const mx::array& src, float* dst) {
+// `src`'s first `rows` positions ([1, heads, S, dims]) into the row-major `dst`
+// (a cache MLX could not donate; the positions after them are never read).
+void copy_cache(const mx::array& src, int rows, float* dst) {
   const float* base = src.data<float>();
   int heads = src.shape(1), S = src.shape(2), dims = src.shape(3);
   for (int h = 0; h < heads; h++) {
-    for (int t = 0; t < S; t++) {
+    for (int t = 0; t < rows; t++) {
       const float* row = base + h * src.strides(1) + t * src.strides(2);
       float* out = dst + (int64_t(h) * S + t) * dims;
+      if (src.strides(3) == 1) {
+        std::memcpy(out, row, sizeof(float) * dims);
+        continue;
+      }
       for (int d = 0; d < dims; d++) {
         out[d] = row[d * src.strides(3)];
       }
@@ -64,17 +70,20 @@ void copy_cache(const mx::array& src, float* dst) {
   }
 }
 
+// The last decode layer's time on the stream, in microseconds.
+std::atomic<int64_t> layer_us{0};
+
 // Whether `a` may be written in place: nothing but this node holds it (MLX's
 // donation). Where only its buffer is held twice, by the stream's cleanup of the
-// last step's node (a layer's time at most), it waits up to DONATION_WAIT; an
-// array held elsewhere (a prompt cache's copy of the state) is not waited for.
-constexpr auto DONATION_WAIT = std::chrono::milliseconds(10);
-
+// last step's node, it waits (asleep) for the stream to pass that node: up to 4
+// layers' time, at least 10 ms. An array held elsewhere (a prompt cache's copy
+// of the state) is not waited for.
 bool wait_donatable(const mx::array& a) {
   if (!a.flags().row_contiguous) {
     return false;
   }
-  auto until = std::chrono::steady_clock::now() + DONATION_WAIT;
+  auto bound = std::max<int64_t>(10000, 4 * layer_us.load());
+  auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(bound);
   while (!a.is_donatable()) {
     if (a.data_shared_ptr().use_count() == 1 ||
         std::chrono::steady_clock::now() > until) {
@@ -85,6 +94,23 @@ bool wait_donatable(const mx::array& a) {
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   return true;
+}
+
+// Checks that a linear's w, scales and biases are MLX's affine layout.
+void check_linear(const mx::array* parts, int group_size, int bits, const char* name) {
+  const mx::array &w = parts[0], &scales = parts[1], &biases = parts[2];
+  bool ok = (bits == 4 || bits == 8) && group_size >= 32 && group_size % 32 == 0 &&
+      w.dtype() == mx::uint32 && w.ndim() == 2 &&
+      (w.shape(1) * 32 / bits) % group_size == 0;
+  for (auto* a : {&scales, &biases}) {
+    ok = ok && a->ndim() == 2 && mx::issubdtype(a->dtype(), mx::floating) &&
+        a->shape(0) == w.shape(0) && a->shape(1) == w.shape(1) * 32 / bits / group_size;
+  }
+  check(
+      ok,
+      std::string(name) +
+          " must be 4- or 8-bit affine codes (uint32) with scales and biases per "
+          "group of a multiple of 32");
 }
 
 } // namespace
@@ -121,6 +147,7 @@ std::vector<mx::array> decode_layer(
   check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
         "heads must be a multiple of kv_heads");
   int dims = keys.shape(3), value_dims = values.shape(3);
+  check(keys.shape(2) == values.shape(2), "keys and values must have one length");
   check(
       shape.rope_dims > 0 && shape.rope_dims % 2 == 0 && shape.rope_dims <= dims,
       "rope_dims must be even and at most the heads' dims");
@@ -136,6 +163,7 @@ std::vector<mx::array> decode_layer(
       {D, hidden}};
   const char* names[LINEARS] = {"q", "k", "v", "o", "gate", "up", "down"};
   for (int i = 0; i < LINEARS; i++) {
+    check_linear(&linears[3 * i], shape.group_sizes[i], shape.bits[i], names[i]);
     check(
         linear_shape(linears[3 * i], shape.bits[i]) == expected[i],
         std::string(names[i]) + "'s weight does not fit x and the caches");
@@ -216,12 +244,13 @@ void CpuDecodeLayer::eval_cpu(
     int hidden = in[FIRST_LINEAR + 3 * GATE].shape(0);
     float* keys = out[1].data<float>();
     float* values = out[2].data<float>();
+    auto started = std::chrono::steady_clock::now();
     if (copy_keys) {
-      copy_cache(in[1], keys);
+      copy_cache(in[1], offset, keys);
       cache_copies++;
     }
     if (copy_values) {
-      copy_cache(in[2], values);
+      copy_cache(in[2], offset, values);
       cache_copies++;
     }
     thread_local std::vector<float> x_copy, norm_copies[2], freqs_copy, room;
@@ -323,6 +352,9 @@ void CpuDecodeLayer::eval_cpu(
     for (int i = 0; i < D; i++) {
       y[i] = mid[i] + o[i];
     }
+    std::chrono::duration<double, std::micro> took =
+        std::chrono::steady_clock::now() - started;
+    layer_us.store(int64_t(took.count()));
   });
 }
 

@@ -93,16 +93,18 @@ def decode_plan(block: nn.Module) -> DecodePlan | None:
     )
 
 
-def _fits(x: mx.array, mask, cache) -> bool:
-    """Whether this call is one token over a float32 ``KVCache`` with room."""
+def _fits(plan: DecodePlan, x: mx.array, mask, cache) -> bool:
+    """Whether this call is one token over a float32 ``KVCache`` of the block's
+    heads, with room."""
     return (
         type(cache) is KVCache
         and mask is None
         and x.shape[:2] == (1, 1)
         and x.dtype == mx.float32
         and cache.keys is not None
+        and cache.keys.shape[:2] == (1, plan.kv_heads)
         and cache.offset < cache.keys.shape[2]
-        and cache.keys.dtype == mx.float32
+        and cache.keys.dtype == cache.values.dtype == mx.float32
         and routed_kernels() is not None
     )
 
@@ -132,7 +134,7 @@ def _decode(block: nn.Module, plan: DecodePlan, x: mx.array, cache: KVCache):
 def _routed_call(call):
     def routed(self, x, mask=None, cache=None):
         plan = self.decode_plan
-        if plan is None or not _fits(x, mask, cache):
+        if plan is None or not _fits(plan, x, mask, cache):
             return call(self, x, mask, cache)
         return _decode(self, plan, x, cache)
 
