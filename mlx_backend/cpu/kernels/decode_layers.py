@@ -110,7 +110,9 @@ def _fits(plan: DecodePlan, x: mx.array, mask, cache) -> bool:
 
 
 def _decode(block: nn.Module, plan: DecodePlan, x: mx.array, cache: KVCache):
-    qmm, _ = load_kernels()
+    # The module fast_ops routed to (_fits checked it): load_kernels reads the
+    # environment on every call.
+    qmm = routed_kernels()
     linears = []
     for part, name in _PROJECTIONS:
         m = block[part][name]
