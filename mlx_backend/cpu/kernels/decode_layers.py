@@ -140,8 +140,11 @@ def _routed_call(call):
             return call(self, x, mask, cache)
         return _decode(self, plan, x, cache)
 
-    routed.unrouted = call
     return routed
+
+
+# The block classes whose call is routed (once per process).
+_ROUTED: set[type] = set()
 
 
 def route_decode_layers(model: nn.Module) -> int:
@@ -155,7 +158,8 @@ def route_decode_layers(model: nn.Module) -> int:
         if plan is None:
             continue
         cls = type(module)
-        if not hasattr(cls.__call__, "unrouted"):
+        if cls not in _ROUTED:
+            _ROUTED.add(cls)
             cls.decode_plan = None
             cls.__call__ = _routed_call(cls.__call__)
         module.decode_plan = plan
