@@ -23,8 +23,11 @@ LLAMA3_ROPE = {
 }
 
 
-def tiny_llama(rope_scaling: dict | None = None, bits: int = 4) -> llama.Model:
-    config = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 96}
+def tiny_llama(
+    rope_scaling: dict | None = None, bits: int = 4, mlp_bits: int | None = None, **args
+) -> llama.Model:
+    """A random 2-layer llama on the kernels, its MLP ``mlp_bits`` where given."""
+    config = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 96, **args}
     config.update(vocab_size=50, tie_word_embeddings=True, rope_scaling=rope_scaling)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Each parameter its own values (siblings of one shape differ).
@@ -37,11 +40,17 @@ def tiny_llama(rope_scaling: dict | None = None, bits: int = 4) -> llama.Model:
             ]
         )
     )
+    if mlp_bits is not None:
+        nn.quantize(model, 32, mlp_bits, class_predicate=_in_mlp)
     nn.quantize(model, group_size=32, bits=bits)
     kernels.use_kernels(model)
     route_fast_ops()
     mx.eval(model.parameters())
     return model
+
+
+def _in_mlp(path: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and ".mlp." in f".{path}"
 
 
 def decode(model, steps: int, prompt: int = 20) -> list[mx.array]:
@@ -89,6 +98,49 @@ def test_decode_layers_give_the_graphs_logits_exactly(qmm, calls, activations, r
     # stream stalled past the wait, on a loaded machine, copies a few).
     assert len(calls) == 2 * 239
     assert qmm.decode_layer_cache_copies() - copies <= 2 * 239 // 20
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"rope_traditional": True},
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"num_key_value_heads": 4},
+        {"bits": 8},
+        {"mlp_bits": 8},
+    ],
+    ids=["traditional-rope", "linear-rope", "mha", "8-bit", "8-bit-mlp"],
+)
+def test_the_blocks_variants_give_the_graphs_logits(qmm, calls, variant):
+    model = tiny_llama(**variant)
+    graph = decode(model, 12)
+    assert decode_layers.route_decode_layers(model) == 2
+    bits = variant.get("bits", 4), variant.get("mlp_bits", variant.get("bits", 4))
+    assert model.layers[0].decode_plan.bits == (bits[0],) * 4 + (bits[1],) * 3
+    fused = decode(model, 12)
+    decode_layers.unroute_decode_layers(model)
+    assert len(calls) == 2 * 12
+    assert all(mx.array_equal(a, b) for a, b in zip(fused, graph))
+
+
+def test_a_trimmed_cache_decodes_as_the_graph(qmm, calls):
+    model = tiny_llama()
+
+    def run():
+        cache = [KVCache() for _ in model.layers]
+        model(mx.arange(20)[None] % 50, cache=cache)
+        first = [model(mx.array([[i]]), cache=cache) for i in range(5)]
+        for c in cache:
+            c.trim(3)
+        # Positions 22-24 written again over what the trimmed tokens left.
+        return first + [model(mx.array([[7 + i]]), cache=cache) for i in range(5)]
+
+    graph = run()
+    decode_layers.route_decode_layers(model)
+    fused = run()
+    decode_layers.unroute_decode_layers(model)
+    assert len(calls) == 2 * 10
+    assert all(mx.array_equal(a, b) for a, b in zip(fused, graph))
 
 
 def test_other_calls_run_mlx_lms_code(qmm, calls):
