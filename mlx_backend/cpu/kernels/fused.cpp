@@ -877,6 +877,109 @@ mx::array paged_attention(
   return as(y, out_type, s);
 }
 
+namespace fused {
+
+void paged_attention(const PagedAttention& a) {
+  int heads = a.heads, L = a.tokens, D = a.dims, Dv = a.value_dims;
+  int kv_heads = a.kv_heads, value_row = a.value_row;
+  int arenas = a.arenas, bits = a.bits, group_size = a.group_size;
+  int count = a.count, width = a.width, window = a.window;
+  const int32_t* segments = a.segments;
+  const int32_t* tables = a.tables;
+  int repeats = heads / kv_heads;
+  // Tasks: a few positions of one sequence's kv head, deepest first.
+  struct Task {
+    int segment, first, end;
+  };
+  std::vector<Task> tasks;
+  double work = 0;
+  for (int i = 0; i < count; i++) {
+    int start = segments[3 * i], n = segments[3 * i + 1];
+    int context = segments[3 * i + 2];
+    int pages = (context + KEYS_BLOCK - 1) / KEYS_BLOCK;
+    bool fits = start >= 0 && n >= 0 && start + n <= L && context >= n &&
+        pages <= width;
+    for (int p = 0; fits && p < pages; p++) {
+      int page = tables[int64_t(i) * width + p];
+      fits = page >= 0 && page < arenas * a.arena_pages;
+    }
+    if (!fits) {
+      throw std::invalid_argument("[paged_attention] a segment is out of range");
+    }
+    int per = positions_per_task(n);
+    for (int end = n; end > 0; end -= per) {
+      tasks.push_back({i, std::max(0, end - per), end});
+    }
+    work += double(heads) * n * context * (D + Dv);
+  }
+  // Per token of an arena: elements (bytes of codes where quantized), and
+  // where quantized its scales (as many as its biases).
+  int64_t token_stride = int64_t(kv_heads) * (bits > 0 ? D * bits / 8 : D);
+  int64_t value_stride =
+      int64_t(kv_heads) * (bits > 0 ? value_row * bits / 8 : value_row);
+  int k_groups = bits > 0 ? D / group_size : 0;
+  int v_groups = bits > 0 ? Dv / group_size : 0;
+  const RowKernels& kernels = row_kernels();
+  int total = int(tasks.size()) * kv_heads;
+  run_tasks(total, work, [&](int t) {
+    const Task& task = tasks[t / kv_heads];
+    int kv = t % kv_heads;
+    int start = segments[3 * task.segment], n = segments[3 * task.segment + 1];
+    int context = segments[3 * task.segment + 2];
+    thread_local std::vector<AttentionRow> rows;
+    thread_local std::vector<float> scratch;
+    rows.clear();
+    for (int l = task.first; l < task.end; l++) {
+      for (int h = kv * repeats; h < (kv + 1) * repeats; h++) {
+        AttentionRow row;
+        row.q = a.q + h * a.q_head_stride + (start + l) * a.q_token_stride;
+        row.k = nullptr;
+        row.v = nullptr;
+        row.k_stride = token_stride;
+        row.v_stride = value_stride;
+        row.pages = tables + int64_t(task.segment) * width;
+        row.half = a.half;
+        row.k_arenas = a.k_arenas;
+        row.v_arenas = a.v_arenas;
+        row.arena_pages = a.arena_pages;
+        row.k_page_stride = token_stride * KEYS_BLOCK;
+        row.v_page_stride = value_stride * KEYS_BLOCK;
+        row.k_head = int64_t(kv) * (bits > 0 ? D * bits / 8 : D);
+        row.v_head = int64_t(kv) * (bits > 0 ? value_row * bits / 8 : value_row);
+        if (bits > 0) {
+          row.bits = bits;
+          row.group_size = group_size;
+          row.k_scale_arenas = a.groups;
+          row.k_bias_arenas = a.groups + arenas;
+          row.v_scale_arenas = a.groups + 2 * arenas;
+          row.v_bias_arenas = a.groups + 3 * arenas;
+          row.k_scale_stride = int64_t(kv_heads) * k_groups;
+          row.v_scale_stride = int64_t(kv_heads) * v_groups;
+          row.k_scale_head = int64_t(kv) * k_groups;
+          row.v_scale_head = int64_t(kv) * v_groups;
+        }
+        row.dims = D;
+        row.value_dims = Dv;
+        row.keys = context - n + l + 1;
+        row.first_key = window > 0 ? std::max(0, row.keys - window) : 0;
+        row.keep = nullptr;
+        row.bias = nullptr;
+        row.mask_stride = 0;
+        row.scale = a.scale;
+        row.has_sink = a.sinks != nullptr;
+        row.sink = a.sinks != nullptr ? a.sinks[h] : 0.0f;
+        row.out = a.out + (int64_t(h) * L + start + l) * Dv;
+        rows.push_back(row);
+      }
+    }
+    int rows_count = int(rows.size());
+    scratch.resize(attention_rows_scratch(rows_count, D, Dv));
+    kernels.attention_rows(rows.data(), rows_count, scratch.data());
+  });
+}
+
+} // namespace fused
+
 void CpuPagedAttention::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
@@ -897,17 +1000,10 @@ void CpuPagedAttention::eval_cpu(
       }
     }
     Tensor4 q = tensor4(in[0]);
-    int heads = in[0].shape(1), L = in[0].shape(2), D = in[0].shape(3);
     auto& first_keys = in[3];
     auto& first_values = in[3 + arenas];
-    int kv_heads = first_keys.shape(1);
-    // A value row's dims in its arena (codes' where quantized), and those read.
-    int value_row = bits > 0 ? first_values.shape(2) * 32 / bits : first_values.shape(2);
-    int Dv = value_dims > 0 ? value_dims : value_row;
-    int repeats = heads / kv_heads;
     // Float16 arenas' bits and quantized arenas' codes, read through float
     // pointers the row kernel widens.
-    bool half = first_keys.dtype() == mx::float16;
     std::vector<const float*> k_arenas(arenas), v_arenas(arenas);
     // Quantized: each arena's key scales, key biases, value scales, value biases.
     std::vector<const float*> groups(bits > 0 ? 4 * arenas : 0);
@@ -918,100 +1014,35 @@ void CpuPagedAttention::eval_cpu(
     for (size_t g = 0; g < groups.size(); g++) {
       groups[g] = in[3 + 2 * arenas + g].data<float>();
     }
-    const int32_t* segments = in[1].data<int32_t>();
-    const int32_t* tables = in[2].data<int32_t>();
-    int count = in[1].shape(0), width = in[2].shape(1);
-    const float* sinks = has_sinks ? in.back().data<float>() : nullptr;
-    float* y = out.data<float>();
-    // Tasks: a few positions of one sequence's kv head, deepest first.
-    struct Task {
-      int segment, first, end;
-    };
-    std::vector<Task> tasks;
-    double work = 0;
-    for (int i = 0; i < count; i++) {
-      int start = segments[3 * i], n = segments[3 * i + 1];
-      int context = segments[3 * i + 2];
-      int pages = (context + fused::KEYS_BLOCK - 1) / fused::KEYS_BLOCK;
-      bool fits = start >= 0 && n >= 0 && start + n <= L && context >= n &&
-          pages <= width;
-      for (int p = 0; fits && p < pages; p++) {
-        int page = tables[int64_t(i) * width + p];
-        fits = page >= 0 && page < arenas * arena_pages;
-      }
-      if (!fits) {
-        throw std::invalid_argument("[paged_attention] a segment is out of range");
-      }
-      int per = positions_per_task(n);
-      for (int end = n; end > 0; end -= per) {
-        tasks.push_back({i, std::max(0, end - per), end});
-      }
-      work += double(heads) * n * context * (D + Dv);
-    }
-    // Per token of an arena: elements (bytes of codes where quantized), and
-    // where quantized its scales (as many as its biases).
-    int64_t token_stride = int64_t(kv_heads) * (bits > 0 ? D * bits / 8 : D);
-    int64_t value_stride =
-        int64_t(kv_heads) * (bits > 0 ? value_row * bits / 8 : value_row);
-    int k_groups = bits > 0 ? D / group_size : 0;
-    int v_groups = bits > 0 ? Dv / group_size : 0;
-    const RowKernels& kernels = row_kernels();
-    int total = int(tasks.size()) * kv_heads;
-    run_tasks(total, work, [&](int t) {
-      const Task& task = tasks[t / kv_heads];
-      int kv = t % kv_heads;
-      int start = segments[3 * task.segment], n = segments[3 * task.segment + 1];
-      int context = segments[3 * task.segment + 2];
-      thread_local std::vector<fused::AttentionRow> rows;
-      thread_local std::vector<float> scratch;
-      rows.clear();
-      for (int l = task.first; l < task.end; l++) {
-        for (int h = kv * repeats; h < (kv + 1) * repeats; h++) {
-          fused::AttentionRow row;
-          row.q = q.data + h * q.strides[1] + (start + l) * q.strides[2];
-          row.k = nullptr;
-          row.v = nullptr;
-          row.k_stride = token_stride;
-          row.v_stride = value_stride;
-          row.pages = tables + int64_t(task.segment) * width;
-          row.half = half;
-          row.k_arenas = k_arenas.data();
-          row.v_arenas = v_arenas.data();
-          row.arena_pages = arena_pages;
-          row.k_page_stride = token_stride * fused::KEYS_BLOCK;
-          row.v_page_stride = value_stride * fused::KEYS_BLOCK;
-          row.k_head = int64_t(kv) * (bits > 0 ? D * bits / 8 : D);
-          row.v_head = int64_t(kv) * (bits > 0 ? value_row * bits / 8 : value_row);
-          if (bits > 0) {
-            row.bits = bits;
-            row.group_size = group_size;
-            row.k_scale_arenas = groups.data();
-            row.k_bias_arenas = groups.data() + arenas;
-            row.v_scale_arenas = groups.data() + 2 * arenas;
-            row.v_bias_arenas = groups.data() + 3 * arenas;
-            row.k_scale_stride = int64_t(kv_heads) * k_groups;
-            row.v_scale_stride = int64_t(kv_heads) * v_groups;
-            row.k_scale_head = int64_t(kv) * k_groups;
-            row.v_scale_head = int64_t(kv) * v_groups;
-          }
-          row.dims = D;
-          row.value_dims = Dv;
-          row.keys = context - n + l + 1;
-          row.first_key = window > 0 ? std::max(0, row.keys - window) : 0;
-          row.keep = nullptr;
-          row.bias = nullptr;
-          row.mask_stride = 0;
-          row.scale = scale;
-          row.has_sink = sinks != nullptr;
-          row.sink = sinks != nullptr ? sinks[h] : 0.0f;
-          row.out = y + (int64_t(h) * L + start + l) * Dv;
-          rows.push_back(row);
-        }
-      }
-      int rows_count = int(rows.size());
-      scratch.resize(fused::attention_rows_scratch(rows_count, D, Dv));
-      kernels.attention_rows(rows.data(), rows_count, scratch.data());
-    });
+    fused::PagedAttention a;
+    a.q = q.data;
+    a.q_head_stride = q.strides[1];
+    a.q_token_stride = q.strides[2];
+    a.heads = in[0].shape(1);
+    a.tokens = in[0].shape(2);
+    a.dims = in[0].shape(3);
+    a.kv_heads = first_keys.shape(1);
+    // A value row's dims in its arena (codes' where quantized), and those read.
+    a.value_row =
+        bits > 0 ? first_values.shape(2) * 32 / bits : first_values.shape(2);
+    a.value_dims = value_dims > 0 ? value_dims : a.value_row;
+    a.segments = in[1].data<int32_t>();
+    a.count = in[1].shape(0);
+    a.tables = in[2].data<int32_t>();
+    a.width = in[2].shape(1);
+    a.arenas = arenas;
+    a.arena_pages = arena_pages;
+    a.k_arenas = k_arenas.data();
+    a.v_arenas = v_arenas.data();
+    a.half = first_keys.dtype() == mx::float16;
+    a.bits = bits;
+    a.group_size = group_size;
+    a.groups = groups.data();
+    a.window = window;
+    a.scale = scale;
+    a.sinks = has_sinks ? in.back().data<float>() : nullptr;
+    a.out = out.data<float>();
+    fused::paged_attention(a);
   });
 }
 

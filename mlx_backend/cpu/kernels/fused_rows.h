@@ -99,6 +99,44 @@ struct RowKernels {
 
 RowKernels portable_rows();
 
+// Attention of `tokens` queries (query token t of head h at q + h *
+// q_head_stride + t * q_token_stride) over paged keys and values, as
+// CpuPagedAttention runs it (fused.h's paged_attention says what each part
+// means), on the kernels' threads; out is [heads, tokens, value_dims].
+struct PagedAttention {
+  const float* q;
+  int64_t q_head_stride;
+  int64_t q_token_stride;
+  int heads;
+  int tokens;
+  int dims;
+  int kv_heads;
+  // A value row's dims in its arena (codes' where quantized), and those read.
+  int value_row;
+  int value_dims;
+  // (first token, tokens, context) per sequence, and its row of tables.
+  const int32_t* segments;
+  int count;
+  const int32_t* tables;
+  int width;
+  int arenas;
+  int arena_pages;
+  const float* const* k_arenas;
+  const float* const* v_arenas;
+  bool half;
+  // Quantized arenas (bits > 0): each arena's key scales, key biases, value
+  // scales and value biases, `arenas` of each.
+  int bits;
+  int group_size;
+  const float* const* groups;
+  int window;
+  float scale;
+  const float* sinks;
+  float* out;
+};
+
+void paged_attention(const PagedAttention& a);
+
 // For primitives that run the row kernels inside their own task
 // (decode_layer.cpp): the kernels this process chose (set_fused_isa) ...
 const RowKernels& chosen_rows();
