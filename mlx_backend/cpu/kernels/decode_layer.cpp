@@ -24,30 +24,10 @@ constexpr int FIRST_LINEAR = 5;
 
 std::atomic<int> cache_copies{0};
 
-// A linear's outputs and inputs: its weight's rows, and its codes' columns.
-std::pair<int, int> linear_shape(const mx::array& w, int bits) {
-  return {w.shape(0), w.ndim() == 2 ? w.shape(1) * 32 / bits : -1};
-}
-
 void check(bool ok, const std::string& what) {
   if (!ok) {
     throw std::invalid_argument("[decode_layer] " + what);
   }
-}
-
-// The data of a float32 array of one row (its other axes of size 1), copied
-// where the row is strided.
-const float* row_data(const mx::array& a, std::vector<float>& copy) {
-  if (a.flags().row_contiguous) {
-    return a.data<float>();
-  }
-  copy.resize(a.size());
-  const float* base = a.data<float>();
-  int64_t step = a.strides(a.ndim() - 1);
-  for (size_t i = 0; i < a.size(); i++) {
-    copy[i] = base[int64_t(i) * step];
-  }
-  return copy.data();
 }
 
 // `src`'s first `rows` positions ([1, heads, S, dims]) into the row-major `dst`
@@ -96,21 +76,24 @@ bool wait_donatable(const mx::array& a) {
   return true;
 }
 
-// Checks that a linear's w, scales and biases are MLX's affine layout.
-void check_linear(const mx::array* parts, int group_size, int bits, const char* name) {
-  const mx::array &w = parts[0], &scales = parts[1], &biases = parts[2];
-  bool ok = (bits == 4 || bits == 8) && group_size >= 32 && group_size % 32 == 0 &&
-      w.dtype() == mx::uint32 && w.ndim() == 2 &&
-      (w.shape(1) * 32 / bits) % group_size == 0;
-  for (auto* a : {&scales, &biases}) {
-    ok = ok && a->ndim() == 2 && mx::issubdtype(a->dtype(), mx::floating) &&
-        a->shape(0) == w.shape(0) && a->shape(1) == w.shape(1) * 32 / bits / group_size;
+// A linear's (outputs, inputs), checked as quantized_matmul checks a weight,
+// 4- or 8-bit (the kernels' SIMD shapes).
+std::pair<int, int> checked_linear(
+    const mx::array* parts,
+    int group_size,
+    int bits,
+    const char* name) {
+  std::string what = std::string(name) +
+      " must be 4- or 8-bit affine codes (uint32) with scales and biases per "
+      "group of a multiple of 32";
+  check(bits == 4 || bits == 8, what);
+  try {
+    int N = check_weight(parts[0], parts[1], parts[2], group_size, bits);
+    return {N, parts[0].shape(1) * 32 / bits};
+  } catch (const std::invalid_argument& e) {
+    check(false, what + ": " + e.what());
   }
-  check(
-      ok,
-      std::string(name) +
-          " must be 4- or 8-bit affine codes (uint32) with scales and biases per "
-          "group of a multiple of 32");
+  return {};
 }
 
 } // namespace
@@ -151,8 +134,14 @@ std::vector<mx::array> decode_layer(
   check(
       shape.rope_dims > 0 && shape.rope_dims % 2 == 0 && shape.rope_dims <= dims,
       "rope_dims must be even and at most the heads' dims");
+  const char* names[LINEARS] = {"q", "k", "v", "o", "gate", "up", "down"};
+  std::pair<int, int> found[LINEARS];
+  for (int i = 0; i < LINEARS; i++) {
+    found[i] =
+        checked_linear(&linears[3 * i], shape.group_sizes[i], shape.bits[i], names[i]);
+  }
   // Each linear's (outputs, inputs).
-  int hidden = linear_shape(linears[3 * GATE], shape.bits[GATE]).first;
+  int hidden = found[GATE].first;
   std::pair<int, int> expected[LINEARS] = {
       {heads * dims, D},
       {kv_heads * dims, D},
@@ -161,11 +150,9 @@ std::vector<mx::array> decode_layer(
       {hidden, D},
       {hidden, D},
       {D, hidden}};
-  const char* names[LINEARS] = {"q", "k", "v", "o", "gate", "up", "down"};
   for (int i = 0; i < LINEARS; i++) {
-    check_linear(&linears[3 * i], shape.group_sizes[i], shape.bits[i], names[i]);
     check(
-        linear_shape(linears[3 * i], shape.bits[i]) == expected[i],
+        found[i] == expected[i],
         std::string(names[i]) + "'s weight does not fit x and the caches");
   }
   for (auto* norm : {&attention_norm, &mlp_norm}) {
@@ -200,10 +187,8 @@ void CpuDecodeLayer::eval_cpu(
     std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   // The caches are written in place where nothing else holds them (as MLX's
-  // slice update does), else copied whole first. A decode step's graph is built
-  // and evaluated while the last step runs: its cleanup after this layer's node
-  // still holds the caches until the stream passes it, a layer's time at most.
-  // Each output holds its own copy of the inputs (MLX's make_arrays), so no
+  // slice update does; wait_donatable), else their filled positions copied
+  // first. Each output holds its own copy of the inputs (MLX's make_arrays), so no
   // input of a node with several outputs is ever donatable: the outputs whose
   // inputs MLX did not hand to this call drop theirs now, as MLX's detach would
   // after it.
@@ -253,10 +238,13 @@ void CpuDecodeLayer::eval_cpu(
       copy_cache(in[2], offset, values);
       cache_copies++;
     }
-    thread_local std::vector<float> x_copy, norm_copies[2], freqs_copy, room;
-    const float* x = row_data(in[0], x_copy);
-    const float* norms[2] = {
-        row_data(in[3], norm_copies[0]), row_data(in[4], norm_copies[1])};
+    std::vector<std::shared_ptr<std::vector<char>>> copies;
+    auto data = [&](const mx::array& a) {
+      return static_cast<const float*>(row_major(a, copies));
+    };
+    thread_local std::vector<float> room;
+    const float* x = data(in[0]);
+    const float* norms[2] = {data(in[3]), data(in[4])};
     // Scratch: h, q, k, v, rotated q, attention, x after attention, o, gate, up
     // and their product.
     int q_size = heads * dims, k_size = kv_heads * dims, v_size = kv_heads * value_dims;
@@ -273,7 +261,6 @@ void CpuDecodeLayer::eval_cpu(
     float* gate = o + D;
     float* up = gate + hidden;
     float* act = up + hidden;
-    std::vector<std::shared_ptr<std::vector<char>>> copies;
     auto linear = [&](int i, const float* x_in, float* y) {
       int at = FIRST_LINEAR + 3 * i;
       return product(
@@ -299,7 +286,7 @@ void CpuDecodeLayer::eval_cpu(
 
     k.rms_norm(x, norms[0], h, D, shape.attention_norm_eps);
     run({linear(Q, h, q), linear(K, h, kk), linear(V, h, vv)});
-    const float* freqs = has_freqs ? row_data(in.back(), freqs_copy) : nullptr;
+    const float* freqs = has_freqs ? data(in.back()) : nullptr;
     auto angles = fused::rope_angles(
         shape.rope_dims, shape.rope_base, shape.rope_scale, freqs, offset);
     for (int i = 0; i < heads; i++) {

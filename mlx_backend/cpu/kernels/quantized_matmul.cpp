@@ -498,10 +498,6 @@ std::string shape_text(const mx::array& a) {
 
 } // namespace
 
-namespace {
-
-// Checks that dequantize(w, scales, biases) is a weight the kernels take; its
-// number of rows.
 int check_weight(
     const mx::array& w,
     const mx::array& scales,
@@ -538,6 +534,8 @@ int check_weight(
   return N;
 }
 
+namespace {
+
 // The same for x @ dequantize(w, scales, biases).T; its number of outputs.
 int check_weight(
     const mx::array& x,
@@ -546,7 +544,7 @@ int check_weight(
     const mx::array& biases,
     int group_size,
     int bits) {
-  int N = check_weight(w, scales, biases, group_size, bits);
+  int N = qmm::check_weight(w, scales, biases, group_size, bits);
   int K = w.shape(1) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument(
@@ -634,9 +632,6 @@ std::shared_ptr<std::vector<char>> row_major_copy(const mx::array& a) {
 
 } // namespace
 
-namespace {
-
-// `a`'s data, or a row-major copy kept in `copies` for an input that isn't.
 const void* row_major(
     const mx::array& a,
     std::vector<std::shared_ptr<std::vector<char>>>& copies) {
@@ -646,6 +641,8 @@ const void* row_major(
   copies.push_back(row_major_copy(a));
   return copies.back()->data();
 }
+
+namespace {
 
 // The weight's part of a problem (no x or y yet).
 Problem weight_problem(
@@ -685,9 +682,9 @@ Problem problem(
     int group_size,
     int bits,
     std::vector<std::shared_ptr<std::vector<char>>>& copies) {
-  Problem p = weight_problem(w, scales, biases, group_size, bits, copies);
-  p.y = y.data<float>();
-  p.x = static_cast<const float*>(row_major(x, copies));
+  auto rows = static_cast<const float*>(row_major(x, copies));
+  Problem p =
+      product(w, scales, biases, group_size, bits, rows, 0, y.data<float>(), copies);
   p.M = int(x.size() / p.K);
   return p;
 }

@@ -136,8 +136,19 @@ std::vector<std::string> isas();
 void run_tasks(int tasks, double work, const std::function<void(int)>& fn);
 
 // For primitives that run products inside their own task (decode_layer.cpp):
-// x [M, K] @ dequantize(w).T into y, the weight read in place where it is
-// row-major (else copied into `copies`, which must outlive the products) ...
+// a check that dequantize(w, scales, biases) is a weight the kernels take (its
+// number of rows), `a`'s data (a row-major copy kept in `copies` where it is
+// strided), x [M, K] @ dequantize(w).T into y, the weight read as row_major
+// reads it (`copies` must outlive the products) ...
+int check_weight(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits);
+const void* row_major(
+    const mx::array& a,
+    std::vector<std::shared_ptr<std::vector<char>>>& copies);
 Problem product(
     const mx::array& w,
     const mx::array& scales,
